@@ -1,0 +1,55 @@
+# Tangram: what a newcomer runs. CI runs `make test` (see .ci/run).
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup demo up test test-fast lint typecheck bench bench-throughput bench-scheduler bench-docker docker-engine clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e '.[dev,bench]'
+	touch $(STAMP)
+
+setup: $(STAMP)  ## create .venv and install tangram with its dev tools
+
+demo: setup  ## an embedded mesh running a small AI-coding rollout
+	$(BIN)/tangram demo
+
+up: setup  ## the whole mesh on this machine; Ctrl-C stops it
+	$(BIN)/tangram up
+
+docker-engine:  ## install a Docker engine if absent (the Docker tests start their own dockerd)
+	bash scripts/docker-engine.sh
+
+test: setup docker-engine  ## the whole test suite, against real NATS, Postgres and Docker
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+test-fast: setup  ## unit tests only
+	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy
+
+bench: bench-throughput bench-scheduler bench-docker  ## every benchmark; JSON in bench/results
+
+bench-throughput: setup
+	$(BIN)/python -m bench.throughput
+
+bench-scheduler: setup
+	$(BIN)/python -m bench.decision_latency
+	$(BIN)/python -m bench.figures
+
+bench-docker: setup docker-engine
+	$(BIN)/python -m bench.docker_exec
+
+clean:
+	rm -rf $(VENV) .state .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,90 @@
+"""Figures 9 and 8(a) of the paper from the simulator -> bench/results/fig9.*, fig8a.*.
+
+Fig. 9: average ACT of elastic against fixed DoP 4 and 16 over batch sizes on 1,280 cores in
+5 nodes. Fig. 8(a): elastic against trajectory-static (a pod of 1 core per trajectory) over
+batch sizes, and at batch 1,280 over core counts. The metric is the paper's §6.3 one: total ACT
+per trajectory, averaged over trajectories. Workload: ``traces.ai_coding`` with its defaults
+(3-8 tool turns per trajectory instead of tens, to keep a run within minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from services.scheduler.simulator import Cluster, build_trace, simulate
+
+OUT = Path(__file__).parent / "results"
+FIG9_BATCHES = (128, 256, 512, 1024, 1280)
+FIG9_POLICIES = ("elastic", "fixed-dop:4", "fixed-dop:16")
+FIG8_BATCHES = (128, 256, 512, 1024, 1280)
+FIG8_NODES = (3, 4, 5)  # x 256 cores: 768, 1024, 1280
+STATIC = "trajectory-static:1"
+SEED = 0
+
+
+def point(args: tuple[int, str, int]) -> tuple[int, str, int, float]:
+    batch, policy, nodes = args
+    result = simulate(build_trace("coding", batch, SEED), policy, Cluster(nodes=nodes))
+    return batch, policy, nodes, round(result.mean_act_per_trajectory(), 2)
+
+
+def run(jobs: list[tuple[int, str, int]]) -> list[tuple[int, str, int, float]]:
+    with ProcessPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(point, sorted(jobs, key=lambda j: -j[0])))
+
+
+def plot(name: str, series: dict[str, dict[str, float]], xlabel: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    policies = sorted({p for pts in series.values() for p in pts})
+    for p in policies:
+        xs = [x for x in series if p in series[x]]
+        ax.plot([int(x) for x in xs], [series[x][p] for x in xs], marker="o", label=p)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("avg ACT per trajectory (s)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(OUT / f"{name}.png", dpi=120)
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    jobs = [(b, p, 5) for b in FIG9_BATCHES for p in FIG9_POLICIES]
+    jobs += [(b, STATIC, 5) for b in FIG8_BATCHES]
+    jobs += [(1280, p, n) for n in FIG8_NODES[:-1] for p in ("elastic", STATIC)]
+    res = run(jobs)
+    fig9: dict[str, dict[str, float]] = {}
+    fig8_batch: dict[str, dict[str, float]] = {}
+    fig8_cores: dict[str, dict[str, float]] = {}
+    for batch, policy, nodes, act in res:
+        if nodes == 5:
+            if policy in FIG9_POLICIES:
+                fig9.setdefault(str(batch), {})[policy] = act
+            if policy in ("elastic", STATIC):
+                fig8_batch.setdefault(str(batch), {})[policy] = act
+        if batch == 1280 and policy in ("elastic", STATIC):
+            fig8_cores.setdefault(str(nodes * 256), {})[policy] = act
+    note = ("simulated AI-coding trace (services/scheduler/traces.py ai_coding defaults, seed 0);"
+            " metric: mean total ACT per trajectory in seconds")  # fmt: skip
+    (OUT / "fig9.json").write_text(json.dumps(
+        {"cores": 1280, "nodes": 5, "note": note,
+         "points": {k: fig9[k] for k in sorted(fig9, key=int)}}, indent=1))  # fmt: skip
+    (OUT / "fig8a.json").write_text(json.dumps(
+        {"cores": 1280, "nodes": 5, "note": note, "baseline": STATIC,
+         "points": {k: fig8_batch[k] for k in sorted(fig8_batch, key=int)},
+         "batch_1280_by_cores": {k: fig8_cores[k] for k in sorted(fig8_cores, key=int)}},
+        indent=1))  # fmt: skip
+    plot("fig9", fig9, "RL batch size")
+    plot("fig8a", fig8_batch, "RL batch size")
+    json.dump({"fig9": fig9, "fig8a": fig8_batch, "fig8a_cores": fig8_cores}, sys.stdout, indent=1)
+
+
+if __name__ == "__main__":
+    main()

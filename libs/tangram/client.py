@@ -1,0 +1,330 @@
+"""The public client: submit actions, get their results, close environments.
+
+``Client`` is async; ``SyncClient`` wraps it for rollout code that is not. Results are pushed
+to this client over NATS as soon as an action ends; if a push is missed (a reconnect), the
+client falls back to asking the gateway, which answers from Postgres.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Coroutine, Generator, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from tangram import subjects, telemetry
+from tangram.bus import Bus
+from tangram.contract import (
+    Accepted,
+    ActionResult,
+    ActionSpec,
+    Cancel,
+    CloseEnv,
+    DurationHint,
+    ExecAction,
+    GatewayReply,
+    GetResult,
+    Submit,
+    codec,
+)
+from tangram.errors import Busy, ResultTimeout, TangramError, Unavailable
+
+T = TypeVar("T")
+
+GATEWAY_TIMEOUT_S = 10.0
+MAX_RETRIES = 20
+EARLY_LIMIT = 100_000
+
+
+class Client:
+    """Async client of a Tangram mesh. Use ``async with Client.connect(url) as client``."""
+
+    def __init__(self, bus: Bus, *, request_timeout: float = GATEWAY_TIMEOUT_S) -> None:
+        self.bus = bus
+        self.client_id = uuid.uuid4().hex
+        self.request_timeout = request_timeout
+        self._waiters: dict[str, asyncio.Future[ActionResult]] = {}
+        self._early: OrderedDict[str, ActionResult] = OrderedDict()
+        self._sub: Subscription | None = None
+        self._ids = itertools.count()
+
+    @classmethod
+    def connect(cls, nats_url: str = "nats://127.0.0.1:4222", **kw: Any) -> _Connecting:
+        """Connect to the mesh's NATS (await it, or use it as an async context manager)."""
+        return _Connecting(cls._open(nats_url, **kw))
+
+    @classmethod
+    async def _open(cls, nats_url: str, **kw: Any) -> Client:
+        bus = await Bus.connect(nats_url, "tangram-client")
+        client = cls(bus, **kw)
+        client._sub = await bus.nc.subscribe(
+            subjects.results(client.client_id), cb=client._on_result, pending_msgs_limit=1_000_000
+        )
+        return client
+
+    async def close(self) -> None:
+        """Stop listening and close the connection (idempotent)."""
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.cancel()
+        await self.bus.close()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ API
+
+    async def exec(
+        self,
+        command: str | Sequence[str],
+        *,
+        trajectory_id: str,
+        job_id: str,
+        cpus: int | tuple[int, int] = 1,
+        timeout_s: float = 600.0,
+        action_id: str | None = None,
+        memory_mb: int = 512,
+        env: dict[str, str] | None = None,
+        queue_timeout_s: float | None = None,
+        profile: str = "",
+        parallel_fraction: float | None = None,
+        output_cap_bytes: int = 64 * 1024,
+        wait_s: float | None = None,
+    ) -> ActionResult:
+        """Run a command in the trajectory's environment and return its result.
+
+        A ``str`` runs under ``sh -c``; a list is an argv. ``cpus`` is a core count or an
+        inclusive ``(min, max)`` range for elastic commands (``{dop}`` becomes the grant).
+        """
+        spec = ActionSpec(
+            action_id=action_id or self.new_action_id(),
+            job_id=job_id,
+            trajectory_id=trajectory_id,
+            action=ExecAction(
+                command=command if isinstance(command, str) else list(command),
+                env=env or {},
+                output_cap_bytes=output_cap_bytes,
+            ),
+            cpus=cpus if isinstance(cpus, int) else list(cpus),
+            memory_mb=memory_mb,
+            timeout_s=timeout_s,
+            queue_timeout_s=queue_timeout_s,
+            profile=profile,
+            duration=DurationHint(parallel_fraction=parallel_fraction)
+            if parallel_fraction is not None
+            else None,
+        )
+        return await self.run(spec, wait_s=wait_s)
+
+    async def run(self, spec: ActionSpec, *, wait_s: float | None = None) -> ActionResult:
+        """Submit ``spec`` and wait for its result."""
+        fut = self._waiter(spec.action_id)
+        ack = await self._submit(spec)
+        if isinstance(ack, ActionResult):
+            return ack
+        return await self._await(spec.action_id, fut, wait_s, ask_first=ack.duplicate)
+
+    async def submit(self, spec: ActionSpec) -> Accepted:
+        """Make an action durable in the mesh; returns once it is acknowledged."""
+        self._waiter(spec.action_id)
+        ack = await self._submit(spec)
+        if isinstance(ack, ActionResult):
+            self._deliver(ack)
+            return Accepted(action_id=ack.action_id, duplicate=True, status=ack.status)
+        return ack
+
+    async def result(self, action_id: str, timeout: float | None = None) -> ActionResult:
+        """Wait for an action's result (one submitted by any client)."""
+        fut = self._waiter(action_id)
+        return await self._await(action_id, fut, timeout, ask_first=True)
+
+    async def close_env(self, trajectory_id: str) -> None:
+        """End a trajectory: cancel its pending actions and remove its environment."""
+        await self._gateway(CloseEnv(trajectory_id=trajectory_id))
+
+    async def cancel(self, action_id: str) -> None:
+        """Cancel a queued or running action (its result says ``cancelled``)."""
+        await self._gateway(Cancel(action_id=action_id))
+
+    def new_action_id(self) -> str:
+        return f"{self.client_id[:12]}-{next(self._ids)}"
+
+    # ------------------------------------------------------------------ internals
+
+    async def _submit(self, spec: ActionSpec) -> Accepted | ActionResult:
+        with telemetry.tracer().start_as_current_span("tangram.submit") as span:
+            span.set_attribute("tangram.action_id", spec.action_id)
+            reply = await self._gateway(
+                Submit(spec=spec, reply_subject=subjects.results(self.client_id))
+            )
+        if not isinstance(reply, Accepted | ActionResult):
+            raise TangramError(f"unexpected reply to submit: {type(reply).__name__}")
+        return reply
+
+    async def _gateway(self, req: Any) -> Any:
+        """Ask the gateway, retrying while it says busy or is briefly unreachable."""
+        delay = 0.05
+        for attempt in range(MAX_RETRIES):
+            try:
+                return await self.bus.request(
+                    subjects.GATEWAY, req, GatewayReply, timeout=self.request_timeout
+                )
+            except Busy as exc:
+                await asyncio.sleep(exc.retry_after_s or delay)
+            except Unavailable:
+                if attempt >= 5:
+                    raise
+                await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)
+        raise Unavailable(f"gateway still busy after {MAX_RETRIES} tries")
+
+    def _waiter(self, action_id: str) -> asyncio.Future[ActionResult]:
+        fut = self._waiters.get(action_id)
+        if fut is None or fut.cancelled():
+            fut = self._waiters[action_id] = asyncio.get_running_loop().create_future()
+            early = self._early.pop(action_id, None)
+            if early is not None:
+                fut.set_result(early)
+        return fut
+
+    async def _await(
+        self, action_id: str, fut: asyncio.Future[ActionResult], wait_s: float | None,
+        *, ask_first: bool,
+    ) -> ActionResult:  # fmt: skip
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        recheck = 0.0 if ask_first else 2.0
+        try:
+            while True:
+                if recheck == 0.0 or not await _wait(fut, _slice(recheck, deadline)):
+                    found = await self._ask(action_id)
+                    if found is not None:
+                        return found
+                if fut.done():
+                    return fut.result()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise ResultTimeout(f"action {action_id} did not finish within {wait_s}s")
+                recheck = min(10.0, max(2.0, recheck * 2))
+        finally:
+            self._waiters.pop(action_id, None)
+
+    async def _ask(self, action_id: str) -> ActionResult | None:
+        reply = await self._gateway(GetResult(action_id=action_id))
+        return reply if isinstance(reply, ActionResult) else None
+
+    async def _on_result(self, msg: Msg) -> None:
+        try:
+            result = codec.decode(msg.data, ActionResult)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return
+        self._deliver(result)
+
+    def _deliver(self, result: ActionResult) -> None:
+        fut = self._waiters.get(result.action_id)
+        if fut is not None and not fut.done():
+            fut.set_result(result)
+        elif fut is None:
+            self._early[result.action_id] = result
+            if len(self._early) > EARLY_LIMIT:
+                self._early.popitem(last=False)
+
+
+async def _wait(fut: asyncio.Future[ActionResult], timeout: float) -> bool:
+    """Wait for ``fut`` up to ``timeout``; True when it is done (never cancels it)."""
+    if fut.done():
+        return True
+    done, _ = await asyncio.wait([fut], timeout=timeout)
+    return bool(done)
+
+
+def _slice(recheck: float, deadline: float | None) -> float:
+    if deadline is None:
+        return recheck
+    return max(0.0, min(recheck, deadline - time.monotonic()))
+
+
+class _Connecting:
+    """``await Client.connect(...)`` or ``async with Client.connect(...) as c``."""
+
+    def __init__(self, coro: Coroutine[Any, Any, Client]) -> None:
+        self._coro = coro
+        self._client: Client | None = None
+
+    def __await__(self) -> Generator[Any, None, Client]:
+        return self._coro.__await__()
+
+    async def __aenter__(self) -> Client:
+        self._client = await self._coro
+        return self._client
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
+class SyncClient:
+    """Blocking client for rollout code that is not async; same methods as :class:`Client`."""
+
+    def __init__(self, nats_url: str = "nats://127.0.0.1:4222", **kw: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tangram", daemon=True)
+        self._thread.start()
+        self._client: Client = self._call(Client._open(nats_url, **kw))
+
+    def _call(self, coro: Awaitable[T]) -> T:
+        fut: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(
+            _as_coro(coro), self._loop
+        )
+        return fut.result()
+
+    def exec(self, command: str | Sequence[str], **kw: Any) -> ActionResult:
+        return self._call(self._client.exec(command, **kw))
+
+    def run(self, spec: ActionSpec, **kw: Any) -> ActionResult:
+        return self._call(self._client.run(spec, **kw))
+
+    def submit(self, spec: ActionSpec) -> Accepted:
+        return self._call(self._client.submit(spec))
+
+    def result(self, action_id: str, timeout: float | None = None) -> ActionResult:
+        return self._call(self._client.result(action_id, timeout))
+
+    def close_env(self, trajectory_id: str) -> None:
+        self._call(self._client.close_env(trajectory_id))
+
+    def cancel(self, action_id: str) -> None:
+        self._call(self._client.cancel(action_id))
+
+    def close(self) -> None:
+        """Close the connection and stop the background loop (idempotent)."""
+        if self._loop.is_closed():
+            return
+        self._call(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _as_coro(aw: Awaitable[T]) -> T:
+    return await aw
+

@@ -1,0 +1,62 @@
+"""Typed configuration. Environment variables are read here and nowhere else.
+
+Every config is a msgspec Struct with ``forbid_unknown_fields``, so a typo fails loudly.
+Values come from, in order of precedence: explicit overrides (CLI flags), ``TANGRAM_*``
+environment variables, then the Struct's defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import msgspec
+
+from tangram.errors import InvalidRequest
+
+C = TypeVar("C", bound=msgspec.Struct)
+
+
+class MeshConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Where the mesh's servers are and how every service behaves on shutdown."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    postgres_dsn: str = "postgresql://postgres@127.0.0.1:5432/postgres"
+    otel_endpoint: str | None = None
+    drain_s: float = 10.0
+
+
+def env_overrides(
+    typ: type[msgspec.Struct], prefix: str, environ: Mapping[str, str]
+) -> dict[str, str]:
+    """Fields of ``typ`` found in ``environ`` as ``PREFIX_FIELD``."""
+    found = {}
+    for name in typ.__struct_fields__:
+        value = environ.get(f"{prefix}{name.upper()}")
+        if value is not None:
+            found[name] = value
+    return found
+
+
+def load(
+    typ: type[C],
+    prefix: str,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> C:
+    """Build ``typ`` from the environment and ``overrides``; bad values raise InvalidRequest."""
+    environ = os.environ if environ is None else environ
+    raw: dict[str, Any] = env_overrides(typ, prefix, environ)
+    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return msgspec.convert(raw, typ, strict=False)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"bad {typ.__name__}: {exc}") from exc
+
+
+def mesh(overrides: Mapping[str, Any] | None = None) -> MeshConfig:
+    """The mesh config; OTel's standard variable names the collector."""
+    extra = {k: v for k, v in (overrides or {}).items() if k in MeshConfig.__struct_fields__}
+    extra.setdefault("otel_endpoint", os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    return load(MeshConfig, "TANGRAM_", extra)

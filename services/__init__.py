@@ -1,0 +1,1 @@
+"""Tangram services: one package each; they never import each other and talk over NATS."""

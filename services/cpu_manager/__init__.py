@@ -1,0 +1,1 @@
+"""Tangram cpu_manager service."""

@@ -1,0 +1,409 @@
+"""The Docker backend of the CPU node agent: allocate-on-execution (§5.2 of arl-tangram).
+
+One long-lived, locked-down container per trajectory holds its state (memory reserved for the
+trajectory's life); before each action the container's cpuset and CPU quota are set to exactly
+the granted cores (cgroup files, or ``docker update``), and the action runs through the
+in-container executor (or ``docker exec``). A warm pool per image hides container creation
+from a trajectory's first action. Broken containers are quarantined; the trajectory's next
+action learns its environment was lost. Docker SDK calls run on a thread pool, never the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from services.cpu_manager import cgroup, executor_client
+from services.cpu_manager.backend import EnvFailure, ExecOutcome, ExecRequest
+from services.cpu_manager.cores import CoreLedger, format_cpulist
+from services.cpu_manager.docker_config import DockerConfig
+from services.cpu_manager.docker_engine import (
+    LABEL_INCARNATION,
+    LABEL_NODE,
+    ContainerSpec,
+    DockerFailure,
+    Engine,
+    remove_dir,
+)
+from services.cpu_manager.docker_pool import WarmPool
+from services.cpu_manager.docker_run import ActionRun, exec_via_docker, exec_via_executor
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+MAX_SOCKET_PATH = 107
+
+
+class State(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+@dataclass(eq=False)
+class Env:
+    """One container and what the backend knows about it."""
+
+    spec: ContainerSpec
+    container_id: str
+    cgroup: cgroup.ContainerCgroup | None  # read for OOM kills; written when pin_by_cgroup
+    memory_mb: int
+    pin_by_cgroup: bool
+    init_pid: int = 0  # host pid of the container's init (the executor); 0 if not visible
+    trajectory_id: str = ""
+    last_used: float = 0.0
+    active: dict[str, tuple[int, ...]] = field(default_factory=dict)  # action -> cores
+
+    @property
+    def image(self) -> str:
+        return self.spec.image
+
+
+def _visible(pid: int) -> int:
+    """``pid`` if that host pid is visible from here (same pid namespace), else 0."""
+    return pid if pid > 0 and Path(f"/proc/{pid}").exists() else 0
+
+
+def failed(failure: EnvFailure, detail: str, started: float | None = None) -> ExecOutcome:
+    """An outcome for an infrastructure failure (no command result)."""
+    now = time.time()
+    return ExecOutcome(None, b"", b"", False, False, started or now, now, failure, detail)
+
+
+class DockerBackend:
+    """Per-trajectory Docker containers with cores pinned per action."""
+
+    name = "docker"
+    isolates = True
+
+    def __init__(self, cfg: DockerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.root = Path(cfg.root).resolve()
+        self.engine = Engine(cfg)
+        self.stats: Counter[str] = Counter()
+        self._threads = ThreadPoolExecutor(cfg.threads, thread_name_prefix="docker")
+        self._envs: dict[str, Env] = {}
+        self._creating: dict[str, asyncio.Future[Env]] = {}
+        self._lost: dict[str, str] = {}
+        self._runs: dict[str, ActionRun] = {}
+        self._ledger = CoreLedger()
+        self._cleanup: set[asyncio.Task[None]] = set()
+        self.pool = WarmPool(self)
+        self._state = State.NEW
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Connect to the engine, remove an earlier incarnation's containers, start the pool."""
+        version = await self.call(self.engine.connect)
+        await self.call(self.engine.install_executor, self.root)
+        stale = await self._sweep(mine=False)
+        log.info("docker backend: engine %s, %d leftovers removed, exec via %s",
+                 version, stale, self.cfg.exec_mode)  # fmt: skip
+        self._state = State.RUNNING
+        self.pool.start()
+
+    async def __aenter__(self) -> DockerBackend:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Kill running actions, remove every container of this incarnation (idempotent)."""
+        if self._state in (State.CLOSING, State.CLOSED):
+            return
+        self._state = State.CLOSING
+        await self.pool.stop()
+        for action_id in list(self._runs):
+            await self.kill(action_id)
+        envs = [*self._envs.values(), *self.pool.drain()]
+        self._envs.clear()
+        await asyncio.gather(*(self._remove(env) for env in envs), return_exceptions=True)
+        if self._cleanup:
+            await asyncio.wait(set(self._cleanup), timeout=self.cfg.api_timeout_s)
+        with contextlib.suppress(DockerFailure):
+            await self._sweep(mine=True)  # anything a cancelled creation left behind
+        await self.call(self.engine.close)
+        self._threads.shutdown(wait=False)
+        self._state = State.CLOSED
+
+    async def _sweep(self, mine: bool) -> int:
+        """Remove this node's containers (of this incarnation, or of earlier ones) and dirs."""
+        found = await self.call(self.engine.containers, mine)
+        for cid, name in found:
+            await self.call(self.engine.remove, cid)
+            if name:
+                await self.call(remove_dir, self.root / name)
+        return len(found)
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a blocking (Docker SDK) call on the backend's threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+
+    # ---------------------------------------------------------------- Backend API
+
+    def envs(self) -> dict[str, float]:
+        """Live trajectory environments -> monotonic time of last use."""
+        return {tid: env.last_used for tid, env in self._envs.items()}
+
+    def env(self, trajectory_id: str) -> Env | None:
+        """The environment of a trajectory, if it has one."""
+        return self._envs.get(trajectory_id)
+
+    async def run(self, req: ExecRequest) -> ExecOutcome:
+        """Run one action in its trajectory's container, on exactly ``req.cores``."""
+        started = time.time()
+        if self._state is not State.RUNNING:
+            msg = f"docker backend is {self._state.value}"
+            return failed(EnvFailure.BACKEND_DOWN, msg, started)
+        if not req.cores:
+            return failed(EnvFailure.INTERNAL, "no cores granted", started)
+        lost = self._lost.pop(req.trajectory_id, None)
+        if lost is not None:
+            return failed(EnvFailure.ENVIRONMENT_LOST, lost, started)
+        busy = self._ledger.claim(req.action_id, req.cores) if self.cfg.exclusive_cores else []
+        if busy:
+            return failed(EnvFailure.INTERNAL, f"cores {busy} are held by another action")
+        try:
+            env = await self._env_for(req)
+            return await self._run_in(env, req)
+        except DockerFailure as exc:
+            return failed(exc.failure, exc.detail, started)
+        finally:
+            self._ledger.release(req.action_id)
+
+    async def kill(self, action_id: str, reason: EnvFailure = EnvFailure.KILLED) -> bool:
+        """Kill a running action's process group; True if it was running."""
+        run = self._runs.get(action_id)
+        if run is None:
+            return False
+        run.kill_reason = run.kill_reason or reason
+        if run.call is not None:
+            run.call.kill()
+        elif run.exec_id:  # before the exec exists, exec_via_docker sees kill_reason instead
+            with contextlib.suppress(DockerFailure):
+                await self.call(self.engine.kill_exec, run.exec_id)
+        return True
+
+    async def drop_env(self, trajectory_id: str) -> None:
+        """Remove a trajectory's container and its files."""
+        self._lost.pop(trajectory_id, None)
+        env = self._envs.pop(trajectory_id, None)
+        if env is None:
+            return
+        for action_id in list(env.active):
+            await self.kill(action_id)
+        await self._remove(env)
+
+    # ---------------------------------------------------------------- environments
+
+    async def _env_for(self, req: ExecRequest) -> Env:
+        env = self._envs.get(req.trajectory_id)
+        if env is not None:
+            return env
+        pending = self._creating.get(req.trajectory_id)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        if len(self._envs) + len(self._creating) >= self.cfg.max_envs:
+            self.stats["cap_refusals"] += 1
+            raise DockerFailure(
+                EnvFailure.BACKEND_DOWN,
+                f"node {self.cfg.node_id} holds its cap of {self.cfg.max_envs} environments",
+            )
+        fut: asyncio.Future[Env] = asyncio.get_running_loop().create_future()
+        self._creating[req.trajectory_id] = fut
+        try:
+            env = await self._claim_or_create(req)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: concurrent waiters re-raise it themselves
+            raise
+        finally:
+            del self._creating[req.trajectory_id]
+        env.trajectory_id = req.trajectory_id
+        env.last_used = self.clock()
+        self._envs[req.trajectory_id] = env
+        fut.set_result(env)
+        return env
+
+    async def _claim_or_create(self, req: ExecRequest) -> Env:
+        image = req.image or self.cfg.default_image
+        memory = req.memory_mb or self.cfg.memory_mb
+        env = None if req.network else await self.pool.take(image)
+        if env is None:
+            self.stats["cold_creates"] += 1
+            return await self.create(image, memory, req.network)
+        self.stats["pool_hits"] += 1
+        if env.memory_mb != memory:
+            await self._resize(env, memory)
+        return env
+
+    async def _resize(self, env: Env, memory_mb: int) -> None:
+        """Give a pool container the memory its trajectory asked for."""
+        try:
+            if env.cgroup is not None and env.pin_by_cgroup:
+                env.cgroup.set_memory(memory_mb * 2**20)  # docker's record of it goes stale
+            else:
+                await self.call(self.engine.update_memory, env.container_id, memory_mb)
+        except (OSError, DockerFailure) as exc:
+            self.quarantine(env, f"memory update failed: {exc}")
+            raise DockerFailure(EnvFailure.INTERNAL, f"memory update failed: {exc}") from exc
+        env.memory_mb = memory_mb
+
+    async def create(self, image: str, memory_mb: int, network: bool) -> Env:
+        """Make, start and (executor mode) wait for a new container."""
+        name = f"tg-{self.cfg.node_id[:24]}-{uuid.uuid4().hex[:10]}"
+        labels = {LABEL_NODE: self.cfg.node_id, LABEL_INCARNATION: self.cfg.incarnation}
+        spec = ContainerSpec(name, image, memory_mb, network, self.root / name, labels)
+        if len(str(spec.socket_path)) > MAX_SOCKET_PATH:
+            raise DockerFailure(EnvFailure.INTERNAL, f"socket path too long: {spec.socket_path}")
+        try:
+            started = await self.call(self.engine.create, spec)
+        except DockerFailure:
+            with contextlib.suppress(DockerFailure):
+                await self.call(self.engine.remove, name)
+            await self.call(remove_dir, spec.host_dir)
+            raise
+        found = self._locate(started.pid)
+        pin = found is not None and self.cfg.cpuset_via != "docker"
+        env = Env(spec, started.container_id, found, memory_mb, pin, _visible(started.pid))
+        try:
+            if self.cfg.exec_mode == "executor":
+                await executor_client.wait_ready(
+                    spec.socket_path, self.cfg.ready_timeout_s, env.init_pid
+                )
+        except executor_client.ExecutorGone as exc:
+            logs = await self.call(self.engine.logs_tail, env.container_id)
+            await self._remove(env)
+            raise DockerFailure(
+                EnvFailure.INTERNAL, f"executor in {image} did not start: {exc}; logs: {logs}"
+            ) from exc
+        self.stats["created"] += 1
+        return env
+
+    def _locate(self, pid: int) -> cgroup.ContainerCgroup | None:
+        found = cgroup.locate(pid, Path(self.cfg.cgroup_root))
+        if found is None and self.cfg.cpuset_via == "cgroup":
+            raise DockerFailure(EnvFailure.INTERNAL, "container cgroup not writable from here")
+        return found
+
+    def quarantine(self, env: Env, reason: str, tell_next: bool = False) -> None:
+        """Take a broken container out of service and remove it in the background."""
+        log.warning("quarantining %s (%s): %s", env.spec.name, env.trajectory_id, reason)
+        self.stats["quarantined"] += 1
+        if env.trajectory_id and self._envs.get(env.trajectory_id) is env:
+            del self._envs[env.trajectory_id]
+            if tell_next:
+                self._lost[env.trajectory_id] = f"environment lost: {reason}"
+        task = asyncio.get_running_loop().create_task(self._remove(env))
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)
+
+    async def _remove(self, env: Env) -> None:
+        try:
+            await self.call(self.engine.remove, env.container_id)
+        except DockerFailure as exc:
+            log.warning("could not remove %s: %s", env.spec.name, exc.detail)
+        await self.call(remove_dir, env.spec.host_dir)
+
+    async def diagnose(self, env: Env, why: str) -> tuple[EnvFailure, str]:
+        """After the executor or exec failed: is the container dead, OOM-killed, or hung?"""
+        state = await self.call(self.engine.state, env.container_id)
+        if state is None:
+            return EnvFailure.ENVIRONMENT_LOST, f"container {env.spec.name} vanished ({why})"
+        if state.get("OOMKilled"):
+            return EnvFailure.OOM_KILLED, f"container {env.spec.name} was OOM-killed ({why})"
+        if not state.get("Running"):
+            return EnvFailure.ENVIRONMENT_LOST, (
+                f"container {env.spec.name} stopped with status {state.get('ExitCode')} ({why})"
+            )
+        return EnvFailure.ENVIRONMENT_LOST, f"container {env.spec.name} is broken ({why})"
+
+    # ---------------------------------------------------------------- actions
+
+    async def _run_in(self, env: Env, req: ExecRequest) -> ExecOutcome:
+        run = ActionRun(req)
+        self._runs[req.action_id] = run
+        env.active[req.action_id] = req.cores
+        env.last_used = self.clock()
+        try:
+            await self._pin(env)
+            ooms = env.cgroup.oom_kills() if env.cgroup is not None else None
+            if self.cfg.exec_mode == "executor":
+                outcome = await exec_via_executor(self, env, run)
+            else:
+                outcome = await exec_via_docker(self, env, run)
+            return self._oom_checked(env, outcome, ooms)
+        except DockerFailure as exc:
+            if run.kill_reason is None:
+                raise
+            return failed(run.kill_reason, f"killed on request ({exc.detail})")
+        finally:
+            del self._runs[req.action_id]
+            env.active.pop(req.action_id, None)
+            env.last_used = self.clock()
+            await self._unpin(env)
+
+    async def _pin(self, env: Env) -> None:
+        """Set the container's cpuset and quota to the cores of its running actions."""
+        cores = tuple(sorted({c for cs in env.active.values() for c in cs}))
+        if env.cgroup is None or not env.pin_by_cgroup:
+            await self.call(self.engine.update_cpus, env.container_id, cores)
+            return
+        try:
+            env.cgroup.set_cpus(cores)  # a few cgroupfs writes: microseconds, fine on the loop
+        except OSError as exc:
+            failure, detail = await self.diagnose(env, f"cgroup write failed: {exc}")
+            self.quarantine(env, detail)
+            raise DockerFailure(failure, detail) from exc
+
+    async def _unpin(self, env: Env) -> None:
+        if env.cgroup is None or not env.pin_by_cgroup:
+            return
+        if self._envs.get(env.trajectory_id) is not env:
+            return
+        with contextlib.suppress(OSError):
+            if env.active:
+                env.cgroup.set_cpus(sorted({c for cs in env.active.values() for c in cs}))
+            elif self.cfg.park_idle:
+                env.cgroup.park()
+
+    def _oom_checked(self, env: Env, outcome: ExecOutcome, before: int | None) -> ExecOutcome:
+        if outcome.failure is not None or before is None or env.cgroup is None:
+            return outcome
+        after = env.cgroup.oom_kills()
+        if after is None or after <= before or outcome.exit_code not in (-9, 137):
+            return outcome
+        self.stats["oom_kills"] += 1
+        detail = f"killed by the kernel OOM killer: over the {env.memory_mb} MiB memory limit"
+        return ExecOutcome(
+            exit_code=outcome.exit_code, stdout=outcome.stdout, stderr=outcome.stderr,
+            stdout_truncated=outcome.stdout_truncated, stderr_truncated=outcome.stderr_truncated,
+            started_at=outcome.started_at, finished_at=outcome.finished_at,
+            failure=EnvFailure.OOM_KILLED, detail=detail,
+        )  # fmt: skip
+
+    def action_env(self, req: ExecRequest) -> dict[str, str]:
+        """Variables every action sees, then the request's own."""
+        env = {
+            "TANGRAM_ACTION_ID": req.action_id,
+            "TANGRAM_TRAJECTORY_ID": req.trajectory_id,
+            "TANGRAM_NODE_ID": self.cfg.node_id,
+            "TANGRAM_CORES": format_cpulist(req.cores),
+            "TANGRAM_DOP": str(len(req.cores)),
+        }
+        env.update(req.env)
+        return env

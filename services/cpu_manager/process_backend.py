@@ -1,0 +1,246 @@
+"""The ``process`` backend: plain subprocesses pinned to their granted cores. It does NOT isolate.
+
+One working directory per trajectory (its HOME and cwd) keeps state across that trajectory's
+actions. Each action runs in its own session so a timeout kills the whole process group.
+Pinning without a fork-unsafe ``preexec_fn``: a dedicated launcher thread sets its own CPU
+affinity to the granted cores and spawns from there, so the child inherits exactly that mask
+from its first instruction. The exit is watched through a pidfd on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from services.cpu_manager.backend import EnvFailure, ExecOutcome, ExecRequest
+
+log = logging.getLogger(__name__)
+
+DRAIN_AFTER_EXIT_S = 0.5  # background children may hold the pipes; stop reading after this
+AGENT_TAG = "TANGRAM_AGENT_INCARNATION"
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessConfig:
+    root: Path
+    node_id: str = "node"
+    incarnation: str = ""
+    path: str = "/usr/local/bin:/usr/bin:/bin"
+
+
+class CappedSink(asyncio.Protocol):
+    """Collects up to ``cap`` bytes of a pipe, counts the rest, and signals EOF."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.truncated = False
+        self.eof = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:  # type: ignore[override]
+        room = self.cap - self.size
+        if room > 0:
+            self.chunks.append(data[:room])
+        if len(data) > room:
+            self.truncated = True
+        self.size += min(len(data), max(room, 0))
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.eof.done():
+            self.eof.set_result(None)
+
+    def value(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+@dataclass
+class _Run:
+    proc: subprocess.Popen[bytes]
+    trajectory_id: str
+    killed: EnvFailure | None = None
+    exited: asyncio.Future[int] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+def env_dirname(trajectory_id: str) -> str:
+    """A filesystem-safe, collision-free directory name for a trajectory id."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in trajectory_id)[:48]
+    return f"{safe}-{hashlib.sha256(trajectory_id.encode()).hexdigest()[:12]}"
+
+
+class ProcessBackend:
+    """Subprocess execution in per-trajectory directories; no isolation between trajectories."""
+
+    name = "process"
+    isolates = False
+
+    def __init__(self, cfg: ProcessConfig) -> None:
+        self.cfg = cfg
+        self._launcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="launcher")
+        self._runs: dict[str, _Run] = {}
+        self._envs: dict[str, float] = {}
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._clean_leftovers)
+
+    def _clean_leftovers(self) -> None:
+        """Kill processes an earlier incarnation of this node left, and wipe its directories."""
+        for proc in psutil.process_iter(["pid"]):
+            with contextlib.suppress(psutil.Error):
+                env = proc.environ()
+                if env.get("TANGRAM_NODE_ID") == self.cfg.node_id and env.get(AGENT_TAG) != (
+                    self.cfg.incarnation
+                ):
+                    log.warning("killing leftover action process %d", proc.pid)
+                    proc.kill()
+        shutil.rmtree(self.cfg.root, ignore_errors=True)
+        self.cfg.root.mkdir(parents=True, exist_ok=True)
+
+    async def close(self) -> None:
+        for aid in list(self._runs):
+            await self.kill(aid, EnvFailure.KILLED)
+        self._launcher.shutdown(wait=True)
+
+    def envs(self) -> dict[str, float]:
+        return dict(self._envs)
+
+    def workdir(self, trajectory_id: str) -> Path:
+        return self.cfg.root / env_dirname(trajectory_id)
+
+    async def kill(self, action_id: str, reason: EnvFailure = EnvFailure.KILLED) -> bool:
+        run = self._runs.get(action_id)
+        if run is None:
+            return False
+        run.killed = run.killed or reason
+        _killpg(run.proc.pid)
+        return True
+
+    async def drop_env(self, trajectory_id: str) -> None:
+        for aid, run in list(self._runs.items()):
+            if run.trajectory_id == trajectory_id:
+                await self.kill(aid, EnvFailure.KILLED)
+        self._envs.pop(trajectory_id, None)
+        await asyncio.to_thread(shutil.rmtree, self.workdir(trajectory_id), True)
+
+    async def run(self, req: ExecRequest) -> ExecOutcome:
+        workdir = self.workdir(req.trajectory_id)
+        if req.trajectory_id not in self._envs:
+            workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        elif not workdir.is_dir():
+            return _lost(f"working directory of {req.trajectory_id} vanished")
+        self._envs[req.trajectory_id] = time.monotonic()
+        loop = asyncio.get_running_loop()
+        started = time.time()
+        try:
+            proc = await loop.run_in_executor(self._launcher, self._spawn, req, workdir)
+        except OSError as exc:
+            return ExecOutcome(None, b"", str(exc).encode(), False, False, started, time.time(),
+                               EnvFailure.INTERNAL, f"could not start: {exc}")  # fmt: skip
+        run = _Run(proc, req.trajectory_id)
+        self._runs[req.action_id] = run
+        try:
+            return await self._supervise(req, run, started)
+        finally:
+            self._runs.pop(req.action_id, None)
+            self._envs[req.trajectory_id] = time.monotonic()
+
+    def _spawn(self, req: ExecRequest, workdir: Path) -> subprocess.Popen[bytes]:
+        """Runs on the launcher thread: pin this thread, then spawn (the child inherits it)."""
+        os.sched_setaffinity(0, req.cores)
+        return subprocess.Popen(
+            req.argv, cwd=workdir, env=self._environ(req, workdir), stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        )  # fmt: skip
+
+    def _environ(self, req: ExecRequest, workdir: Path) -> dict[str, str]:
+        env = {
+            "PATH": self.cfg.path, "HOME": str(workdir), "TMPDIR": str(workdir),
+            "LANG": "C.UTF-8", "TANGRAM_ACTION_ID": req.action_id,
+            "TANGRAM_TRAJECTORY_ID": req.trajectory_id, "TANGRAM_NODE_ID": self.cfg.node_id,
+            "TANGRAM_CORES": ",".join(map(str, req.cores)), "TANGRAM_DOP": str(len(req.cores)),
+            AGENT_TAG: self.cfg.incarnation,
+        }  # fmt: skip
+        env.update(req.env)
+        return env
+
+    async def _supervise(self, req: ExecRequest, run: _Run, started: float) -> ExecOutcome:
+        loop = asyncio.get_running_loop()
+        assert run.proc.stdout is not None
+        assert run.proc.stderr is not None
+        out = CappedSink(req.output_cap_bytes)
+        err = CappedSink(req.output_cap_bytes)
+        await loop.connect_read_pipe(lambda: out, run.proc.stdout)
+        await loop.connect_read_pipe(lambda: err, run.proc.stderr)
+        self._watch_exit(run)
+        try:
+            code = await asyncio.wait_for(asyncio.shield(run.exited), req.timeout_s)
+        except TimeoutError:
+            run.killed = run.killed or EnvFailure.EXEC_TIMEOUT
+            _killpg(run.proc.pid)
+            code = await run.exited
+        finished = time.time()
+        await self._drain(run, out, err)
+        return _outcome(run, code, out, err, started, finished, req.timeout_s)
+
+    def _watch_exit(self, run: _Run) -> None:
+        loop = asyncio.get_running_loop()
+        pidfd = os.pidfd_open(run.proc.pid)
+
+        def on_exit() -> None:
+            code = run.proc.poll()
+            if code is None:
+                return
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            if not run.exited.done():
+                run.exited.set_result(code)
+
+        loop.add_reader(pidfd, on_exit)
+
+    async def _drain(self, run: _Run, out: CappedSink, err: CappedSink) -> None:
+        """Read what is left; a background child holding the pipes open is killed."""
+        done, _ = await asyncio.wait([out.eof, err.eof], timeout=DRAIN_AFTER_EXIT_S)
+        if len(done) < 2:
+            _killpg(run.proc.pid)
+            await asyncio.wait([out.eof, err.eof], timeout=DRAIN_AFTER_EXIT_S)
+
+
+def _killpg(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _lost(detail: str) -> ExecOutcome:
+    now = time.time()
+    return ExecOutcome(None, b"", b"", False, False, now, now, EnvFailure.ENVIRONMENT_LOST, detail)
+
+
+def _outcome(run: _Run, code: int, out: CappedSink, err: CappedSink, started: float,
+             finished: float, timeout_s: float) -> ExecOutcome:  # fmt: skip
+    detail = ""
+    if run.killed is EnvFailure.EXEC_TIMEOUT:
+        detail = f"killed after the {timeout_s:g}s timeout"
+    elif run.killed is not None:
+        detail = "killed on request"
+    return ExecOutcome(
+        exit_code=code, stdout=out.value(), stderr=err.value(), stdout_truncated=out.truncated,
+        stderr_truncated=err.truncated, started_at=started, finished_at=finished,
+        failure=run.killed, detail=detail,
+    )  # fmt: skip

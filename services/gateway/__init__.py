@@ -1,0 +1,1 @@
+"""Tangram gateway service."""

@@ -1,0 +1,73 @@
+"""Turn a client's ActionSpec into the unified action of §4.1, or say exactly what is wrong.
+
+Pure: no I/O. Decoding already enforced types and bounds; this checks what a schema cannot
+(min ≤ max, an empty command, the cluster's limits) and builds the cost vector.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tangram.contract import ActionSpec, Demand, ExecAction, UnifiedAction
+from tangram.errors import InvalidRequest
+
+CPU = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one action may ask for at most in this deployment."""
+
+    max_cpus: int = 256
+    max_memory_mb: int = 256 * 1024
+
+
+def cpu_choices(cpus: int | list[int], limits: Limits) -> tuple[int, ...]:
+    """The allowed core counts of a ``cpus`` demand (an int, or an inclusive [min, max])."""
+    lo, hi = (cpus, cpus) if isinstance(cpus, int) else (cpus[0], cpus[1])
+    if lo > hi:
+        raise InvalidRequest(f"cpus range ({lo}, {hi}) has min > max", hint="use (min, max)")
+    if hi > limits.max_cpus:
+        raise InvalidRequest(
+            f"cpus={hi} exceeds this mesh's limit of {limits.max_cpus} cores per action"
+        )
+    return tuple(range(lo, hi + 1))
+
+
+def check_exec(action: ExecAction) -> None:
+    """Reject commands that cannot run: empty, or with NUL bytes; bad environment names."""
+    cmd = action.command
+    parts = [cmd] if isinstance(cmd, str) else cmd
+    if not parts or not parts[0].strip():
+        raise InvalidRequest("empty command", hint="give a shell string or a non-empty argv list")
+    if any("\x00" in p for p in parts):
+        raise InvalidRequest("command contains a NUL byte")
+    for name, value in action.env.items():
+        if not name or "=" in name or "\x00" in name or "\x00" in value:
+            raise InvalidRequest(f"invalid environment variable name or value: {name!r}")
+
+
+def formulate(
+    spec: ActionSpec,
+    *,
+    now: float,
+    limits: Limits,
+    reply_subject: str = "",
+    traceparent: str = "",
+) -> UnifiedAction:
+    """Validate ``spec`` and build its unified action (cost vector, key resource)."""
+    check_exec(spec.action)
+    if spec.memory_mb > limits.max_memory_mb:
+        raise InvalidRequest(
+            f"memory_mb={spec.memory_mb} exceeds this mesh's limit of {limits.max_memory_mb} MiB"
+        )
+    demands = (Demand(resource=CPU, choices=cpu_choices(spec.cpus, limits)),)
+    return UnifiedAction(
+        spec=spec,
+        demands=demands,
+        key_resource=CPU,
+        env_memory_mb=spec.memory_mb,
+        submitted_at=now,
+        reply_subject=reply_subject,
+        traceparent=traceparent,
+    )

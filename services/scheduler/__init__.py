@@ -1,0 +1,1 @@
+"""Tangram scheduler service."""

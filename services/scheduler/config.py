@@ -1,0 +1,24 @@
+"""Scheduler configuration (environment variables ``TANGRAM_SCHEDULER_*``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from tangram import config
+from tangram.config import MeshConfig
+
+
+class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    policy: str = "min"
+    node_timeout_s: float = 5.0
+    dispatch_grace_s: float = 3.0
+    reconcile_grace_s: float = 1.0
+    tick_s: float = 0.25
+    sweep_s: float = 2.0
+
+
+def load(overrides: Mapping[str, Any] | None = None) -> tuple[MeshConfig, SchedulerConfig]:
+    return config.mesh(overrides), config.load(SchedulerConfig, "TANGRAM_SCHEDULER_")

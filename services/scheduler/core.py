@@ -1,0 +1,496 @@
+"""The scheduler's pure core: the single owner of allocation bookkeeping.
+
+No I/O and no clock of its own: every method takes ``now`` and returns effects for the shell
+(dispatch, finish, kill, drop env, record env). The live service and the simulator drive this
+same code. Pools are per node (§5.2): a trajectory's environment lives on one node, chosen at
+its first action by CPU-memory load balance, and all its actions run there. Each pool is
+FCFS; the policy decides how many of the head actions start now and with how many cores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from services.scheduler.cores import pick_cores
+from services.scheduler.effects import (
+    DropEnvOnNode,
+    Effect,
+    EnvChanged,
+    Finish,
+    KillOnNode,
+    StartOnNode,
+    completed,
+    failed,
+)
+from services.scheduler.policy import Busy, MinPolicy, Policy, Waiting
+from tangram.contract import (
+    ActionResult,
+    Allocation,
+    ErrorKind,
+    Inventory,
+    NodeReport,
+    UnifiedAction,
+)
+
+RECENT_LIMIT = 200_000  # finished action ids remembered to make late duplicates harmless
+
+
+@dataclass
+class Node:
+    node_id: str
+    incarnation: str
+    numa: dict[int, tuple[int, ...]]
+    memory_mb: int
+    free: set[int]
+    last_seen: float
+    reserved_mb: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return sum(len(c) for c in self.numa.values())
+
+
+@dataclass
+class Env:
+    trajectory_id: str
+    job_id: str
+    node_id: str
+    incarnation: str
+    memory_mb: int
+
+
+@dataclass
+class Running:
+    action: UnifiedAction
+    node_id: str
+    incarnation: str
+    cores: tuple[int, ...]
+    started_at: float
+    confirmed: bool = False  # its node has reported it at least once
+    restored: bool = False  # rebuilt from Postgres after a restart, not dispatched by us
+
+
+@dataclass(frozen=True, slots=True)
+class CoreConfig:
+    node_timeout_s: float = 5.0
+    dispatch_grace_s: float = 3.0  # how long a dispatch may go unreported before it is redone
+    lookahead: int = 64  # waiting actions per pool shown to the policy beyond those that fit
+
+
+@dataclass
+class _Pass:
+    """Scratch state of one scheduling pass."""
+
+    waiting: dict[str, list[UnifiedAction]] = field(default_factory=dict)
+    need: dict[str, int] = field(default_factory=dict)  # sum of minimums offered per node
+    blocked: set[str] = field(default_factory=set)  # an offered action did not fit at minimum
+    extra: dict[str, int] = field(default_factory=dict)  # lookahead offered past the block
+    full: set[str] = field(default_factory=set)  # lookahead exhausted
+    reserved: set[str] = field(default_factory=set)  # held for a blocked new trajectory
+    placed: dict[str, str] = field(default_factory=dict)  # trajectory -> node, this pass
+    placed_mb: dict[str, int] = field(default_factory=dict)  # env memory placed per node
+    unplaced_blocked: bool = False
+
+
+class SchedulerCore:
+    """Queue, nodes, environments and running actions; decisions via a :class:`Policy`."""
+
+    def __init__(self, policy: Policy | None = None, cfg: CoreConfig | None = None) -> None:
+        self.policy = policy or MinPolicy()
+        self.cfg = cfg or CoreConfig()
+        self.nodes: dict[str, Node] = {}
+        self.envs: dict[str, Env] = {}
+        self.gone_envs: dict[str, str] = {}  # trajectory -> why its environment is gone
+        self.queue: dict[str, UnifiedAction] = {}  # FCFS by insertion
+        self.running: dict[str, Running] = {}
+        self.recent: dict[str, None] = {}
+        self.not_before = 0.0
+
+    # ------------------------------------------------------------------ intake
+
+    def known(self, action_id: str) -> bool:
+        return action_id in self.queue or action_id in self.running or action_id in self.recent
+
+    def enqueue(self, action: UnifiedAction, now: float) -> list[Effect]:
+        """Queue an action (idempotent by action_id)."""
+        if self.known(action.spec.action_id):
+            return []
+        self.queue[action.spec.action_id] = action
+        return []
+
+    def restore_running(self, action: UnifiedAction, node_id: str, incarnation: str,
+                        cores: tuple[int, ...], now: float) -> None:  # fmt: skip
+        """An action Postgres says is running; it stays unconfirmed until its node reports."""
+        self.running[action.spec.action_id] = Running(
+            action, node_id, incarnation, cores, now, restored=True
+        )
+
+    def restore_env(self, env: Env) -> None:
+        self.envs[env.trajectory_id] = env
+
+    def hold_until(self, t: float) -> None:
+        """Make no decisions before ``t`` (node agents are reporting after a restart)."""
+        self.not_before = t
+
+    # ------------------------------------------------------------------ nodes
+
+    def node_report(self, report: NodeReport, now: float) -> list[Effect]:
+        """Register a node or take its heartbeat, and reconcile what it runs with our books.
+
+        A new incarnation of a known node means the old one died: what ran there and the
+        environments it held are lost.
+        """
+        node = self.nodes.get(report.node_id)
+        effects: list[Effect] = []
+        if node is not None and node.incarnation != report.incarnation:
+            effects += self._node_lost(node, now, "node agent restarted")
+            node = None
+        if node is None:
+            node = self._add_node(report, now)
+            effects += self._drop_stale(node, now)
+        node.last_seen = now
+        return effects + self._reconcile(node, report, now)
+
+    def _add_node(self, report: NodeReport, now: float) -> Node:
+        inv: Inventory = report.inventory
+        numa = {n.numa_node: tuple(n.cores) for n in inv.numa}
+        all_cores = {c for cs in numa.values() for c in cs}
+        node = Node(report.node_id, report.incarnation, numa, inv.memory_mb, all_cores, now)
+        self.nodes[node.node_id] = node
+        return node
+
+    def _drop_stale(self, node: Node, now: float) -> list[Effect]:
+        """Books restored from Postgres for this node: keep the current incarnation's only."""
+        effects: list[Effect] = []
+        for env in [e for e in self.envs.values() if e.node_id == node.node_id]:
+            if env.incarnation == node.incarnation:
+                node.reserved_mb += env.memory_mb
+            else:
+                effects.append(self._end_env(env, "lost", f"node {node.node_id} restarted"))
+        for aid, run in list(self.running.items()):
+            if run.node_id != node.node_id:
+                continue
+            if run.incarnation == node.incarnation:
+                node.free -= set(run.cores)
+            else:
+                del self.running[aid]
+                effects += self._finish(run.action, self._died(run, now, "node agent restarted"))
+        return effects
+
+    def _died(self, run: Running, now: float, why: str) -> ActionResult:
+        return failed(
+            run.action, ErrorKind.NODE_DIED, f"node {run.node_id} died: {why}", now=now,
+            allocation=Allocation(node_id=run.node_id, cores=run.cores), started_at=run.started_at,
+        )  # fmt: skip
+
+    def _reconcile(self, node: Node, report: NodeReport, now: float) -> list[Effect]:
+        """Match what the node reports running (or holding unacked) with our books."""
+        effects: list[Effect] = []
+        reported = {r.action_id: r for r in report.running}
+        for aid, run in list(self.running.items()):
+            if run.node_id != node.node_id or aid in reported:
+                if aid in reported:
+                    run.confirmed = True
+                continue
+            if run.confirmed:  # it ran there and vanished without a completion
+                del self.running[aid]
+                node.free |= set(run.cores)
+                effects += self._finish(run.action, self._died(run, now, "lost track of it"))
+            elif run.restored or now - run.started_at > self.cfg.dispatch_grace_s:
+                effects += self._redo(aid, node)
+        for aid, r in reported.items():
+            if aid not in self.running:
+                effects += self._adopt(node, aid, r.cores, r.attempt, now)
+        return effects
+
+    def _adopt(self, node: Node, aid: str, cores: tuple[int, ...], attempt: int,
+               now: float) -> list[Effect]:  # fmt: skip
+        """A node runs an action we only knew as queued (its dispatch record was lost)."""
+        action = self.queue.pop(aid, None)
+        if action is None or not set(cores) <= node.free:
+            return [KillOnNode(node.node_id, aid, ErrorKind.INTERNAL)]
+        action = msgspec.structs.replace(action, attempt=attempt)
+        node.free -= set(cores)
+        self.running[aid] = Running(action, node.node_id, node.incarnation, cores, now, True)
+        return []
+
+    def _redo(self, aid: str, node: Node) -> list[Effect]:
+        """The node never got this dispatch: it never started, so running it again is safe."""
+        run = self.running.pop(aid)
+        node.free |= set(run.cores)
+        self.queue = {aid: run.action, **self.queue}
+        return []
+
+    def _node_lost(self, node: Node, now: float, why: str) -> list[Effect]:
+        """Fail what ran there (it may have half-run) and lose its environments."""
+        effects: list[Effect] = []
+        del self.nodes[node.node_id]
+        for aid, run in list(self.running.items()):
+            if run.node_id == node.node_id:
+                del self.running[aid]
+                effects += self._finish(run.action, self._died(run, now, why))
+        for tid, env in list(self.envs.items()):
+            if env.node_id == node.node_id:
+                effects.append(self._end_env(env, "lost", f"node {node.node_id} died: {why}"))
+        return effects
+
+    def env_expired(self, node_id: str, trajectory_id: str) -> list[Effect]:
+        env = self.envs.get(trajectory_id)
+        if env is None or env.node_id != node_id:
+            return []
+        return [self._end_env(env, "expired", "idle longer than the environment TTL")]
+
+    def _end_env(self, env: Env, status: str, reason: str) -> EnvChanged:
+        self.envs.pop(env.trajectory_id, None)
+        node = self.nodes.get(env.node_id)
+        if node is not None and node.incarnation == env.incarnation:
+            node.reserved_mb -= env.memory_mb
+        if status != "closed":
+            self.gone_envs[env.trajectory_id] = reason
+        else:
+            self.gone_envs.pop(env.trajectory_id, None)
+        return EnvChanged(env.trajectory_id, env.job_id, env.node_id, env.incarnation,
+                          env.memory_mb, status, reason)  # fmt: skip
+
+    # ------------------------------------------------------------------ completions
+
+    def complete(self, node_id: str, incarnation: str, attempt: int, result: ActionResult,
+                 now: float) -> list[Effect]:  # fmt: skip
+        """A node reports an attempt's end; stale or duplicate reports change nothing."""
+        run = self.running.get(result.action_id)
+        if run is None or run.node_id != node_id or run.action.attempt != attempt:
+            return []
+        del self.running[result.action_id]
+        node = self.nodes.get(node_id)
+        if node is not None and node.incarnation == run.incarnation:
+            node.free |= set(run.cores)
+        result = completed(run.action, result, now=now)
+        return self._finish(run.action, result)
+
+    def _finish(self, action: UnifiedAction, result: ActionResult) -> list[Effect]:
+        self.recent[action.spec.action_id] = None
+        if len(self.recent) > RECENT_LIMIT:
+            del self.recent[next(iter(self.recent))]
+        return [Finish(action, result)]
+
+    def cancel(
+        self, action_id: str, now: float, why: str = "cancelled by the client"
+    ) -> list[Effect]:
+        action = self.queue.pop(action_id, None)
+        if action is not None:
+            return self._finish(action, failed(action, ErrorKind.CANCELLED, why, now=now))
+        run = self.running.get(action_id)
+        if run is not None:
+            return [KillOnNode(run.node_id, action_id, ErrorKind.CANCELLED)]
+        return []
+
+    def close_env(self, trajectory_id: str, now: float) -> list[Effect]:
+        """Cancel the trajectory's queued and running actions and remove its environment."""
+        effects: list[Effect] = []
+        for aid in [a for a, act in self.queue.items() if act.spec.trajectory_id == trajectory_id]:
+            effects += self.cancel(aid, now, "environment closed")
+        for aid, run in self.running.items():
+            if run.action.spec.trajectory_id == trajectory_id:
+                effects.append(KillOnNode(run.node_id, aid, ErrorKind.CANCELLED))
+        self.gone_envs.pop(trajectory_id, None)
+        env = self.envs.get(trajectory_id)
+        if env is not None:
+            effects.append(DropEnvOnNode(env.node_id, trajectory_id))
+            effects.append(self._end_env(env, "closed", "closed by the client"))
+        return effects
+
+    # ------------------------------------------------------------------ time
+
+    def tick(self, now: float) -> list[Effect]:
+        """Expire queue timeouts, declare silent nodes dead, fail orphaned restored actions."""
+        effects: list[Effect] = []
+        for node in [n for n in self.nodes.values() if now - n.last_seen > self.cfg.node_timeout_s]:
+            effects += self._node_lost(node, now, "no heartbeat")
+        for aid, act in list(self.queue.items()):
+            limit = act.spec.queue_timeout_s
+            if limit is not None and now - act.submitted_at > limit:
+                del self.queue[aid]
+                effects += self._finish(act, failed(
+                    act, ErrorKind.QUEUE_TIMEOUT, f"waited more than {limit}s in the queue", now=now
+                ))  # fmt: skip
+        if now >= self.not_before + self.cfg.node_timeout_s:
+            effects += self._fail_orphans(now)
+        return effects
+
+    def _fail_orphans(self, now: float) -> list[Effect]:
+        """Restored running actions whose node never came back."""
+        effects: list[Effect] = []
+        for aid, run in list(self.running.items()):
+            node = self.nodes.get(run.node_id)
+            if run.restored and (node is None or node.incarnation != run.incarnation):
+                del self.running[aid]
+                effects += self._finish(run.action, failed(
+                    run.action, ErrorKind.NODE_DIED, f"node {run.node_id} did not come back",
+                    now=now, started_at=run.started_at,
+                ))  # fmt: skip
+        return effects
+
+    # ------------------------------------------------------------------ decisions
+
+    def schedule(self, now: float) -> list[Effect]:
+        """Start every action the policy admits now, FCFS per node pool."""
+        if now < self.not_before or not self.queue:
+            return []
+        p = _Pass()
+        effects: list[Effect] = []
+        for act in list(self.queue.values()):
+            tid = act.spec.trajectory_id
+            node_id = self._node_of(tid, p)
+            if node_id is None and tid in self.gone_envs:
+                del self.queue[act.spec.action_id]
+                effects += self._finish(act, failed(
+                    act, ErrorKind.ENVIRONMENT_LOST, self.gone_envs[tid], now=now))  # fmt: skip
+                continue
+            if node_id is None:
+                if p.unplaced_blocked:
+                    continue
+                node_id = self._place(act, p)
+                if node_id is None:
+                    effects += self._block_unplaced(act, p, now)
+                    continue
+            self._offer(p, node_id, act)
+            if p.unplaced_blocked and len(p.full) == len(self.nodes):
+                break
+        for node_id, waiting in p.waiting.items():
+            effects += self._admit(self.nodes[node_id], waiting, now)
+        return effects
+
+    def _node_of(self, tid: str, p: _Pass) -> str | None:
+        env = self.envs.get(tid)
+        if env is not None:
+            return env.node_id if env.node_id in self.nodes else None
+        return p.placed.get(tid)
+
+    def _offer(self, p: _Pass, node_id: str, act: UnifiedAction) -> None:
+        """Add ``act`` to its pool's FCFS list: fitting at minimum, or as lookahead."""
+        if node_id in p.full or node_id in p.reserved:
+            return
+        p.waiting.setdefault(node_id, []).append(act)
+        if node_id in p.blocked:
+            p.extra[node_id] = extra = p.extra.get(node_id, 0) + 1
+            if extra >= self.cfg.lookahead:
+                p.full.add(node_id)
+            return
+        need = p.need.get(node_id, 0) + act.demands[0].min
+        if need > len(self.nodes[node_id].free):
+            p.blocked.add(node_id)
+        else:
+            p.need[node_id] = need
+
+    def _place(self, act: UnifiedAction, p: _Pass) -> str | None:
+        """CPU-memory load balance over nodes with room for the action and its environment."""
+        best: tuple[float, int, str] | None = None
+        for node in self.nodes.values():
+            if node.node_id in p.blocked or node.node_id in p.reserved:
+                continue
+            free_cores = len(node.free) - p.need.get(node.node_id, 0)
+            free_mem = node.memory_mb - node.reserved_mb - p.placed_mb.get(node.node_id, 0)
+            if free_cores < act.demands[0].min or free_mem < act.env_memory_mb:
+                continue
+            load = (node.memory_mb - free_mem + act.env_memory_mb) / max(1, node.memory_mb)
+            key = (load, -free_cores, node.node_id)
+            if best is None or key < best:
+                best = key
+        if best is None:
+            return None
+        node_id = best[2]
+        p.placed[act.spec.trajectory_id] = node_id
+        p.placed_mb[node_id] = p.placed_mb.get(node_id, 0) + act.env_memory_mb
+        return node_id
+
+    def _block_unplaced(self, act: UnifiedAction, p: _Pass, now: float) -> list[Effect]:
+        """The first new trajectory that fits nowhere reserves the emptiest node that could hold
+        it, so that later actions cannot starve it; later new trajectories wait behind it."""
+        impossible = self._reject_impossible(act, now)
+        if impossible:
+            return impossible
+        p.unplaced_blocked = True
+        room = [
+            (len(n.free) - p.need.get(n.node_id, 0), n.node_id)
+            for n in self.nodes.values()
+            if n.memory_mb - n.reserved_mb - p.placed_mb.get(n.node_id, 0) >= act.env_memory_mb
+        ]
+        if room:
+            p.reserved.add(max(room)[1])
+        return []
+
+    def _reject_impossible(self, act: UnifiedAction, now: float) -> list[Effect]:
+        """An action no node could ever hold fails now instead of blocking the queue forever."""
+        if not self.nodes:
+            return []
+        most_cores = max(n.capacity for n in self.nodes.values())
+        most_mem = max(n.memory_mb for n in self.nodes.values())
+        if act.demands[0].min <= most_cores and act.env_memory_mb <= most_mem:
+            return []
+        del self.queue[act.spec.action_id]
+        return self._finish(act, failed(
+            act, ErrorKind.INVALID_REQUEST,
+            f"no node can hold it: the largest has {most_cores} cores and {most_mem} MiB",
+            now=now,
+        ))  # fmt: skip
+
+    def _admit(self, node: Node, acts: list[UnifiedAction], now: float) -> list[Effect]:
+        waiting = [_waiting(a) for a in acts]
+        busy = [
+            Busy(aid, len(r.cores), r.started_at)
+            for aid, r in self.running.items()
+            if r.node_id == node.node_id
+        ]
+        grants = self.policy.arrange(waiting, len(node.free), node.capacity, busy, now)
+        effects: list[Effect] = []
+        for act, units in zip(acts, grants, strict=False):
+            effects += self._start(node, act, units, now)
+        return effects
+
+    def _start(self, node: Node, act: UnifiedAction, units: int, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        tid = act.spec.trajectory_id
+        if tid not in self.envs:
+            env = Env(tid, act.spec.job_id, node.node_id, node.incarnation, act.env_memory_mb)
+            self.envs[tid] = env
+            node.reserved_mb += env.memory_mb
+            effects.append(EnvChanged(tid, env.job_id, node.node_id, node.incarnation,
+                                      env.memory_mb, "active"))  # fmt: skip
+        cores = pick_cores(node.free, node.numa, units)
+        node.free -= set(cores)
+        del self.queue[act.spec.action_id]
+        act = msgspec.structs.replace(act, attempt=act.attempt + 1)
+        self.running[act.spec.action_id] = Running(act, node.node_id, node.incarnation, cores, now)
+        effects.append(StartOnNode(node.node_id, act, cores, node.incarnation))
+        return effects
+
+    def snapshot(self) -> dict[str, int]:
+        """Counters for status lines and metrics."""
+        return {
+            "queued": len(self.queue),
+            "running": len(self.running),
+            "nodes": len(self.nodes),
+            "envs": len(self.envs),
+            "free_cores": sum(len(n.free) for n in self.nodes.values()),
+        }
+
+
+def _waiting(act: UnifiedAction) -> Waiting:
+    hint = act.spec.duration
+    return Waiting(
+        action_id=act.spec.action_id,
+        choices=act.demands[0].choices,
+        enqueued_at=act.submitted_at,
+        profile=act.spec.profile,
+        t_ori_s=hint.t_ori_s if hint else None,
+        parallel_fraction=hint.parallel_fraction if hint else None,
+        trajectory_id=act.spec.trajectory_id,
+    )
+
+
+def ids(effects: Iterable[Effect]) -> list[str]:
+    """Action ids started by ``effects`` (for tests and the simulator)."""
+    return [e.action.spec.action_id for e in effects if isinstance(e, StartOnNode)]

@@ -1,0 +1,287 @@
+"""Topology-agnostic DPArrange (Appendix B, Algorithm 3) and its DP operators, numpy-vectorized.
+
+DPArrange assigns each of m scalable candidates one of its allowed unit counts so that the sum of
+their durations is minimal under the pool's topology. One forward pass yields the optimum of every
+FCFS prefix of the candidates, which is exactly what the greedy eviction of Algorithm 1 asks for.
+
+Operators (the topology-specific primitives of Algorithm 3):
+- ``BasicOperator`` — interchangeable units (cores of one node, quota tokens); state = units used.
+- ``ChunkOperator`` — GPUs in power-of-two chunks (Algorithm 4, §5.3 buddy cells); state = the
+  counts of free chunks of sizes 1, 2, 4, 8 in mixed radix; a request takes the smallest free
+  chunk that holds it and splits it into legal buddies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+INF = float("inf")
+CHUNK_SIZES = (1, 2, 4, 8)
+
+
+class DpOperator(Protocol):
+    """The topology primitives DPArrange needs (Start/Prev/IsValid of Algorithm 3, vectorized)."""
+
+    start: int
+    units_used: IntArray  # units used in each state, for tie-breaking and accounting
+
+    def step(
+        self, dp: FloatArray, choices: IntArray, durs: FloatArray
+    ) -> tuple[FloatArray, IntArray, IntArray]:
+        """Add one task: new costs per state, the units chosen there (0 = none) and the parent."""
+        ...
+
+
+class BasicOperator:
+    """Interchangeable units: state j = units used, Prev(j, k) = j - k, valid while j ≤ capacity."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.start = 0
+        self.units_used = np.arange(capacity + 1, dtype=np.int64)
+
+    def step(
+        self, dp: FloatArray, choices: IntArray, durs: FloatArray
+    ) -> tuple[FloatArray, IntArray, IntArray]:
+        n = dp.size
+        if choices.size == 1:  # one allowed amount: a shift, no choice to make
+            return _shift(dp, int(choices[0]), float(durs[0]))
+        kmax = int(choices[-1])
+        padded = np.concatenate((np.full(kmax, INF), dp))
+        cand = padded[_gather_index(n, tuple(choices.tolist()), kmax)] + durs[:, None]
+        best = cand.argmin(axis=0)
+        new = cand[best, np.arange(n)]
+        chosen = np.where(np.isfinite(new), choices[best], 0)
+        return new, chosen, self.units_used - chosen
+
+
+def _shift(dp: FloatArray, k: int, dur: float) -> tuple[FloatArray, IntArray, IntArray]:
+    n = dp.size
+    new = np.full(n, INF)
+    if k < n:
+        new[k:] = dp[: n - k] + dur
+    chosen = np.where(np.isfinite(new), k, 0).astype(np.int64)
+    return new, chosen, np.arange(n, dtype=np.int64) - chosen
+
+
+@lru_cache(maxsize=256)
+def _gather_index(n: int, choices: tuple[int, ...], kmax: int) -> IntArray:
+    ks = np.asarray(choices, dtype=np.int64)
+    return np.arange(n, dtype=np.int64)[None, :] - ks[:, None] + kmax
+
+
+def chunk_level(units: int) -> int:
+    """The level a of the chunk 2**a that serves ``units`` GPUs (2**(a-1) < units ≤ 2**a)."""
+    if not 1 <= units <= CHUNK_SIZES[-1]:
+        raise ValueError(f"a GPU request must be 1..{CHUNK_SIZES[-1]} units, got {units}")
+    return (units - 1).bit_length()
+
+
+def take_chunk(counts: tuple[int, ...], level: int) -> tuple[int, ...] | None:
+    """Free-chunk counts after taking a 2**level chunk by the smallest-fit buddy rule."""
+    for b in range(level, len(counts)):
+        if counts[b] > 0:
+            out = list(counts)
+            out[b] -= 1
+            for lv in range(level, b):  # splitting 2**b leaves one free buddy per lower level
+                out[lv] += 1
+            return tuple(out)
+    return None
+
+
+class ChunkOperator:
+    """Algorithm 4: states are free-chunk counts (a, b, c, d) encoded in mixed radix.
+
+    Under the smallest-fit rule a level only gains a chunk by a split, which happens only when it
+    has none, so count[l] ≤ max(initial[l], 1) bounds the radices and the state space.
+    """
+
+    def __init__(self, free_counts: Sequence[int]) -> None:
+        if len(free_counts) != len(CHUNK_SIZES) or min(free_counts) < 0:
+            raise ValueError("free_counts are the numbers of free chunks of sizes 1, 2, 4, 8")
+        self.free_counts = tuple(int(c) for c in free_counts)
+        self.radix = tuple(max(c, 1) + 1 for c in self.free_counts)
+        states, nxt = _chunk_tables(self.radix)
+        self.states = states
+        self._next = nxt
+        self.start = self.encode(self.free_counts)
+        free_units = sum(c * s for c, s in zip(self.free_counts, CHUNK_SIZES, strict=True))
+        self.units_used = free_units - states @ np.asarray(CHUNK_SIZES, dtype=np.int64)
+
+    def encode(self, counts: Sequence[int]) -> int:
+        idx, mult = 0, 1
+        for c, r in zip(counts, self.radix, strict=True):
+            idx += c * mult
+            mult *= r
+        return idx
+
+    def decode(self, state: int) -> tuple[int, ...]:
+        return tuple(int(x) for x in self.states[state])
+
+    def step(
+        self, dp: FloatArray, choices: IntArray, durs: FloatArray
+    ) -> tuple[FloatArray, IntArray, IntArray]:
+        n = dp.size
+        src = np.arange(n, dtype=np.int64)
+        srcs, tgts, vals, units = [], [], [], []
+        for k, d in zip(choices.tolist(), durs.tolist(), strict=True):
+            tgt = self._next[:, chunk_level(k)]
+            ok = (tgt >= 0) & np.isfinite(dp)
+            srcs.append(src[ok])
+            tgts.append(tgt[ok])
+            vals.append(dp[ok] + d)
+            units.append(np.full(int(ok.sum()), k, dtype=np.int64))
+        s, t, v, u = (np.concatenate(x) for x in (srcs, tgts, vals, units))
+        new = np.full(n, INF)
+        chosen = np.zeros(n, dtype=np.int64)
+        parent = np.full(n, -1, dtype=np.int64)
+        if t.size:
+            order = np.lexsort((u, v, t))  # per target: cheapest, then fewest units
+            first = order[np.unique(t[order], return_index=True)[1]]
+            new[t[first]] = v[first]
+            chosen[t[first]] = u[first]
+            parent[t[first]] = s[first]
+        return new, chosen, parent
+
+
+@lru_cache(maxsize=64)
+def _chunk_tables(radix: tuple[int, ...]) -> tuple[IntArray, IntArray]:
+    """All states in encoding order and, per state and level, the state after taking a chunk."""
+    mults = np.cumprod((1, *radix[:-1]))
+    idx = np.arange(int(np.prod(radix)), dtype=np.int64)
+    states = np.stack([(idx // m) % r for m, r in zip(mults, radix, strict=True)], axis=1)
+    nxt = np.full((len(states), len(CHUNK_SIZES)), -1, dtype=np.int64)
+    for i, counts in enumerate(states.tolist()):
+        for level in range(len(CHUNK_SIZES)):
+            after = take_chunk(tuple(counts), level)
+            if after is not None and all(c < r for c, r in zip(after, radix, strict=True)):
+                nxt[i, level] = int(np.dot(after, mults))
+    return states.astype(np.int64), nxt
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """A candidate as DPArrange sees it: allowed units (ascending) and the duration of each."""
+
+    choices: IntArray
+    durations: FloatArray
+
+
+class PrefixTable(Protocol):
+    """Optimal arrangements of every FCFS prefix of the candidates."""
+
+    def objective(self, t: int) -> float: ...
+    def allocation(self, t: int) -> tuple[int, ...]: ...
+
+
+class DpTable:
+    """The DP layers of Algorithm 3; layer t is the optimum over the first t tasks."""
+
+    def __init__(self, op: DpOperator, tasks: Sequence[Task]) -> None:
+        dp = np.full(op.units_used.size, INF)
+        dp[op.start] = 0.0
+        self._op = op
+        self._best: list[int] = [op.start]
+        self._cost: list[float] = [0.0]
+        self._layers: list[tuple[IntArray, IntArray]] = []
+        for task in tasks:
+            if not np.isfinite(self._cost[-1]):
+                break  # an infeasible prefix stays infeasible
+            dp, chosen, parent = op.step(dp, task.choices, task.durations)
+            self._layers.append((chosen, parent))
+            self._best.append(_best_state(dp, op.units_used))
+            self._cost.append(float(dp[self._best[-1]]))
+
+    def objective(self, t: int) -> float:
+        """Minimal sum of durations of the first t tasks (inf when they cannot all be placed)."""
+        return self._cost[t] if t < len(self._cost) else INF
+
+    def allocation(self, t: int) -> tuple[int, ...]:
+        """Units per task of the optimal arrangement of the first t tasks (backtracking)."""
+        state, out = self._best[t], []
+        for chosen, parent in reversed(self._layers[:t]):
+            out.append(int(chosen[state]))
+            state = int(parent[state])
+        return tuple(reversed(out))
+
+
+def _best_state(dp: FloatArray, units_used: IntArray) -> int:
+    """Cheapest state; among equals the one that uses the fewest units (keeps room for others)."""
+    low = dp.min()
+    if not np.isfinite(low):
+        return int(np.argmin(units_used))
+    ties = np.flatnonzero(dp == low)
+    return int(ties[np.argmin(units_used[ties])])
+
+
+class GreedyTable:
+    """Exact fast path for the basic operator when every task allows a contiguous range of units
+    and its duration is convex there (Amdahl curves are): the marginal-gain greedy is then
+    optimal for a separable convex objective under one sum constraint, at O(m·w) numpy cost."""
+
+    def __init__(self, capacity: int, tasks: Sequence[Task]) -> None:
+        width = max(int(t.choices.size) for t in tasks)
+        gains = np.full((len(tasks), max(width - 1, 1)), -INF)
+        for i, t in enumerate(tasks):
+            if t.choices.size > 1:
+                gains[i, : t.choices.size - 1] = -np.diff(t.durations)
+        mins = np.array([int(t.choices[0]) for t in tasks], dtype=np.int64)
+        self._base = np.array([float(t.durations[0]) for t in tasks])
+        self._mins = mins
+        self._gains = gains
+        self._slack = capacity - np.concatenate(([0], np.cumsum(mins)))
+
+    def objective(self, t: int) -> float:
+        if self._slack[t] < 0:
+            return INF
+        return float(self._base[:t].sum() - self._picked(t)[1].sum())
+
+    def allocation(self, t: int) -> tuple[int, ...]:
+        rows, _ = self._picked(t)
+        extra = np.bincount(rows, minlength=t)[:t] if t else np.zeros(0, dtype=np.int64)
+        return tuple(int(x) for x in self._mins[:t] + extra)
+
+    def _picked(self, t: int) -> tuple[IntArray, FloatArray]:
+        flat = self._gains[:t].ravel()
+        budget = int(min(self._slack[t], np.count_nonzero(flat > 0.0)))
+        if budget <= 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0)
+        top = np.argpartition(-flat, budget - 1)[:budget]
+        return top // self._gains.shape[1], flat[top]
+
+
+def greedy_applies(tasks: Sequence[Task]) -> bool:
+    """True when every task's choices are contiguous and its durations convex and non-increasing."""
+    for t in tasks:
+        if t.choices.size > 1:
+            if int(t.choices[-1] - t.choices[0]) != t.choices.size - 1:
+                return False
+            gains = -np.diff(t.durations)
+            if gains.size > 1 and np.any(np.diff(gains) > 1e-12 * (1.0 + gains[0])):
+                return False
+            if np.any(gains < -1e-12):
+                return False
+    return True
+
+
+def prefix_table(op: DpOperator, tasks: Sequence[Task]) -> PrefixTable:
+    """The prefix optima, by the exact greedy when it applies and by the DP otherwise."""
+    if isinstance(op, BasicOperator) and tasks and greedy_applies(tasks):
+        return GreedyTable(op.capacity, tasks)
+    return DpTable(op, tasks)
+
+
+def dparrange(op: DpOperator, tasks: Sequence[Task]) -> tuple[float, tuple[int, ...]]:
+    """Algorithm 3: the optimal total duration T* and the units of each task (all of them)."""
+    table = DpTable(op, tasks)
+    return table.objective(len(tasks)), (
+        table.allocation(len(tasks)) if np.isfinite(table.objective(len(tasks))) else ()
+    )

@@ -1,0 +1,360 @@
+"""Elastic scheduling (§4.2): Algorithm 1 (greedy eviction) with the ACT approximation of
+Algorithm 2, plus the baselines it is compared with — fixed DoP and trajectory-static.
+
+Every policy here answers the ``Policy.arrange`` call of ``policy.py`` for one pool and is pure
+apart from what it learns: durations per profile (``observe``) and, for trajectory-static, which
+trajectories hold a reservation in this pool.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from services.scheduler.dparrange import (
+    BasicOperator,
+    ChunkOperator,
+    DpOperator,
+    PrefixTable,
+    Task,
+    chunk_level,
+    prefix_table,
+    take_chunk,
+)
+from services.scheduler.durations import Amdahl, DurationLearner, resolve
+from services.scheduler.policy import Busy, Waiting, fits_at_min
+
+DEFAULT_DURATION_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One queued action as the objective sees it: its task (allowed units, durations)."""
+
+    task: Task
+    elastic: bool
+
+    @property
+    def min_units(self) -> int:
+        return int(self.task.choices[0])
+
+    @property
+    def min_duration(self) -> float:
+        return float(self.task.durations[0])
+
+
+def make_row(w: Waiting, learner: DurationLearner | None, default_s: float) -> Row:
+    """Durations over the allowed units; unknown elasticity collapses the choices to the min."""
+    if w.t_ori_s is not None and w.parallel_fraction is not None:
+        return _hinted_row(w.choices, w.t_ori_s, w.parallel_fraction)
+    model = resolve(w.profile, w.t_ori_s, w.parallel_fraction, learner)
+    if model is not None and model.elastic and len(w.choices) > 1:
+        choices = np.asarray(w.choices, dtype=np.int64)
+        return Row(Task(choices, model.durations(choices)), True)
+    lo = np.asarray(w.choices[:1], dtype=np.int64)
+    durs = model.durations(lo) if model is not None else np.array([default_s])
+    return Row(Task(lo, durs), False)
+
+
+@lru_cache(maxsize=8192)
+def _hinted_row(choices: tuple[int, ...], t_ori_s: float, parallel_fraction: float) -> Row:
+    """Rows of fully hinted actions depend on their values only: computed once."""
+    model = Amdahl(t_ori_s, parallel_fraction)
+    if model.elastic and len(choices) > 1:
+        units = np.asarray(choices, dtype=np.int64)
+        return Row(Task(units, model.durations(units)), True)
+    lo = np.asarray(choices[:1], dtype=np.int64)
+    return Row(Task(lo, model.durations(lo)), False)
+
+
+@dataclass(frozen=True, slots=True)
+class Releases:
+    """Units that come back at known times: running actions' expected ends, sorted."""
+
+    ends: tuple[float, ...]
+    units: tuple[int, ...]
+
+
+def releases_of(
+    running: Sequence[Busy], now: float, learner: DurationLearner | None, default_s: float
+) -> Releases:
+    """When each running action gives its units back: ``expected_end`` or its duration model."""
+    pairs = sorted((_expected_end(b, now, learner, default_s), b.units) for b in running)
+    return Releases(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs))
+
+
+def _expected_end(b: Busy, now: float, learner: DurationLearner | None, default_s: float) -> float:
+    if b.expected_end is not None:
+        return max(now, b.expected_end)
+    model = resolve(b.profile, b.t_ori_s, b.parallel_fraction, learner)
+    if model is None:
+        return max(now, b.started_at + default_s)
+    return max(now, b.started_at + float(model.durations(np.array([b.units]))[0]))
+
+
+def estimate(
+    now: float,
+    free: int,
+    heap: list[tuple[float, int]],
+    first: Sequence[tuple[int, float]],
+    rest: Sequence[tuple[int, float]],
+) -> float:
+    """Algorithm 2's ``estimate``: sum of end times of the remaining actions started FCFS at their
+    minimum as units come back; the first one also tries ``depth`` of its allowed amounts.
+
+    Units-aware: an action starts when enough units are free, not when any one action ends.
+    """
+    best = float("inf")
+    for units0, dur0 in first:
+        h = list(heap)
+        obj, t, f = 0.0, now, free
+        for need, dur in ((units0, dur0), *rest):
+            while f < need and h:
+                end, back = heapq.heappop(h)
+                t, f = max(t, end), f + back
+            t_end = t + dur
+            heapq.heappush(h, (t_end, need))
+            f -= need
+            obj += t_end
+            if obj >= best:
+                break
+        best = min(best, obj)
+    return best if first else 0.0
+
+
+class Objective:
+    """Algorithm 2's ``getApproximatedObjective`` for the FCFS prefixes of the candidates."""
+
+    def __init__(
+        self,
+        rows: Sequence[Row],
+        n_candidates: int,
+        table: PrefixTable,
+        free: int,
+        releases: Releases,
+        now: float,
+        depth: int,
+    ) -> None:
+        self._rows, self._n, self._table = rows, n_candidates, table
+        self._free, self._releases, self._now, self._depth = free, releases, now, depth
+        self._mins = [(r.min_units, r.min_duration) for r in rows]
+
+    def __call__(self, t: int) -> float:
+        """Exact ACT part for the first t candidates plus the estimate for all behind them."""
+        exact = self._table.objective(t)
+        if not np.isfinite(exact):
+            return exact
+        alloc = self._table.allocation(t)
+        heap = list(zip(self._releases.ends, self._releases.units, strict=True))
+        for row, units in zip(self._rows[:t], alloc, strict=True):
+            dur = float(row.task.durations[np.searchsorted(row.task.choices, units)])
+            heap.append((self._now + dur, units))
+        heapq.heapify(heap)
+        rest = self._rows[t:]
+        if not rest:
+            return t * self._now + exact
+        head = rest[0].task
+        pick = spread(head.choices.size, self._depth)
+        first = list(zip(head.choices[pick].tolist(), head.durations[pick].tolist(), strict=True))
+        tail = estimate(self._now, self._free - sum(alloc), heap, first, self._mins[t + 1 :])
+        return t * self._now + exact + tail
+
+
+def spread(n_choices: int, depth: int) -> list[int]:
+    """Indices of the ``depth`` allocations the first remaining action explores: its minimum and
+    then evenly up to its maximum, so that "wait for a large allocation" is among them."""
+    if depth >= n_choices:
+        return list(range(n_choices))
+    if depth == 1:
+        return [0]
+    return sorted({round(i * (n_choices - 1) / (depth - 1)) for i in range(depth)})
+
+
+def greedy_evict(objective: Callable[[int], float], n: int, keep: int) -> int:
+    """Algorithm 1 lines 8-13: drop the last candidate while that lowers the objective.
+
+    At least ``keep`` candidates stay: 1 when nothing runs in the pool, because then no
+    completion would ever come to reconsider an evicted head (the liveness guard).
+    """
+    t, obj = n, objective(n)
+    while t > keep:
+        new = objective(t - 1)
+        if new >= obj:
+            break
+        t, obj = t - 1, new
+    return t
+
+
+class ElasticPolicy:
+    """Algorithm 1 over one pool with the ACT approximation of depth ``depth`` (Algorithm 2)."""
+
+    def __init__(
+        self,
+        depth: int = 2,
+        horizon: int = 64,
+        learner: DurationLearner | None = None,
+        default_s: float = DEFAULT_DURATION_S,
+    ) -> None:
+        if depth < 1 or horizon < 0:
+            raise ValueError("depth must be ≥ 1 and horizon ≥ 0")
+        self.name = "elastic" if depth == 2 else f"elastic:{depth}"
+        self.depth, self.horizon, self.default_s = depth, horizon, default_s
+        self.learner = learner if learner is not None else DurationLearner()
+
+    def observe(self, profile: str, units: int, exec_s: float) -> None:
+        """Learn from a completed action (feeds durations of profiles without hints)."""
+        self.learner.observe(profile, units, exec_s)
+
+    def arrange(
+        self,
+        waiting: Sequence[Waiting],
+        free: int,
+        capacity: int,
+        running: Sequence[Busy],
+        now: float,
+    ) -> list[int]:
+        n = fits_at_min(waiting, free)
+        if n == 0:
+            return []
+        return self._decide(waiting, n, free, BasicOperator(free), running, now)
+
+    def arrange_chunks(
+        self,
+        waiting: Sequence[Waiting],
+        free_chunks: tuple[int, int, int, int],
+        running: Sequence[Busy],
+        now: float,
+    ) -> list[int]:
+        """The same decision for a GPU pool whose free units are buddy chunks (Algorithm 4)."""
+        n = fits_chunks_at_min(waiting, free_chunks)
+        if n == 0:
+            return []
+        free = sum(c * s for c, s in zip(free_chunks, (1, 2, 4, 8), strict=True))
+        return self._decide(waiting, n, free, ChunkOperator(free_chunks), running, now)
+
+    def _decide(
+        self,
+        waiting: Sequence[Waiting],
+        n: int,
+        free: int,
+        op: DpOperator,
+        running: Sequence[Busy],
+        now: float,
+    ) -> list[int]:
+        rows = [make_row(w, self.learner, self.default_s) for w in waiting[: n + self.horizon]]
+        if not any(r.elastic for r in rows[:n]):
+            return [r.min_units for r in rows[:n]]  # Alg. 1 lines 6-7: nothing to scale
+        table = prefix_table(op, [r.task for r in rows[:n]])
+        releases = releases_of(running, now, self.learner, self.default_s)
+        objective = Objective(rows, n, table, free, releases, now, self.depth)
+        keep = 0 if running else 1
+        return list(table.allocation(greedy_evict(objective, n, keep)))
+
+
+def fits_chunks_at_min(waiting: Sequence[Waiting], free_chunks: tuple[int, ...]) -> int:
+    """Longest FCFS prefix whose minimum GPU requests the buddy chunks can all hold."""
+    counts: tuple[int, ...] | None = free_chunks
+    n = 0
+    for w in waiting:
+        counts = take_chunk(counts, chunk_level(w.min)) if counts is not None else None
+        if counts is None:
+            break
+        n += 1
+    return n
+
+
+def clamp_choice(choices: Sequence[int], k: int) -> int:
+    """The largest allowed amount not above k, or the minimum when all are above it."""
+    best = choices[0]
+    for c in choices:
+        if c <= k:
+            best = c
+    return best
+
+
+class FixedDopPolicy:
+    """FCFS where every elastic action gets DoP k (clamped into its allowed set)."""
+
+    def __init__(self, k: int) -> None:
+        if k < 1:
+            raise ValueError("fixed DoP must be ≥ 1")
+        self.k = k
+        self.name = f"fixed-dop:{k}"
+
+    def arrange(
+        self,
+        waiting: Sequence[Waiting],
+        free: int,
+        capacity: int,
+        running: Sequence[Busy],
+        now: float,
+    ) -> list[int]:
+        grants: list[int] = []
+        for w in waiting:
+            g = clamp_choice(w.choices, self.k)
+            if g > free:
+                break
+            grants.append(g)
+            free -= g
+        return grants
+
+
+class TrajectoryStaticPolicy:
+    """Pod per trajectory: a trajectory holds ``units`` of this pool from its first action until
+    it closes; its actions run inside that reservation at up to ``units``.
+
+    Unlike action-level policies its grants are not a prefix: an action of a trajectory that holds
+    a reservation starts even behind a new trajectory waiting for one, so ``grants`` may contain 0
+    ("not now") — ``prefix_only`` is False. New trajectories get reservations in FCFS order. It
+    keeps state per pool: build one instance per pool and call ``close_trajectory`` on close_env.
+    """
+
+    prefix_only = False
+
+    def __init__(self, units: int) -> None:
+        if units < 1:
+            raise ValueError("a trajectory reservation must be ≥ 1 unit")
+        self.units = units
+        self.name = f"trajectory-static:{units}"
+        self._held: dict[str, None] = {}
+
+    def close_trajectory(self, trajectory_id: str) -> None:
+        self._held.pop(trajectory_id, None)
+
+    def held(self) -> tuple[str, ...]:
+        return tuple(self._held)
+
+    def arrange(
+        self,
+        waiting: Sequence[Waiting],
+        free: int,
+        capacity: int,
+        running: Sequence[Busy],
+        now: float,
+    ) -> list[int]:
+        in_use: dict[str, int] = {}
+        for b in running:
+            in_use[b.trajectory_id] = in_use.get(b.trajectory_id, 0) + b.units
+        grants, blocked = [], False
+        for w in waiting:
+            if w.trajectory_id not in self._held:
+                room = capacity - self.units * len(self._held)
+                if blocked or room < self.units:
+                    blocked = True
+                    grants.append(0)
+                    continue
+                self._held[w.trajectory_id] = None
+            g = clamp_choice(w.choices, self.units)
+            used = in_use.get(w.trajectory_id, 0)
+            ok = used + g <= max(self.units, g) and g <= free
+            grants.append(g if ok else 0)
+            if ok:
+                in_use[w.trajectory_id] = used + g
+                free -= g
+        while grants and grants[-1] == 0:
+            grants.pop()
+        return grants

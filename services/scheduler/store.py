@@ -1,0 +1,173 @@
+"""The scheduler's SQL: transitions (one transaction per batch, attempt-guarded), environment
+records, the epoch, and the rebuild of its books after a restart."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import asyncpg
+
+from services.scheduler.core import Env
+from services.scheduler.effects import EnvChanged, Finish, StartOnNode
+from tangram.contract import UnifiedAction, codec, encode
+
+_STARTED = """
+WITH t AS (
+    SELECT * FROM unnest($1::text[], $2::int[], $3::text[], $4::text[], $5::text[],
+                         $6::float8[]) AS t(action_id, attempt, node_id, incarnation, cores, at)
+), up AS (
+    UPDATE actions a SET status = 'running', attempt = t.attempt, node_id = t.node_id,
+        incarnation = t.incarnation, cores = t.cores::int[], started_at = t.at,
+        updated_at = now()
+    FROM t WHERE a.action_id = t.action_id AND a.status IN ('queued', 'running')
+        AND a.attempt < t.attempt
+    RETURNING a.action_id
+)
+INSERT INTO action_events (action_id, attempt, status, node_id, at)
+SELECT action_id, attempt, 'running', node_id, at FROM t
+ON CONFLICT DO NOTHING
+"""
+
+_FINISHED = """
+WITH t AS (
+    SELECT * FROM unnest($1::text[], $2::int[], $3::text[], $4::bytea[], $5::text[],
+                         $6::int[], $7::float8[], $8::text[])
+        AS t(action_id, attempt, status, result, error_kind, exit_code, at, node_id)
+), up AS (
+    UPDATE actions a SET status = t.status, result = t.result, error_kind = t.error_kind,
+        exit_code = t.exit_code, finished_at = t.at, attempt = t.attempt, updated_at = now()
+    FROM t WHERE a.action_id = t.action_id AND a.status IN ('queued', 'running')
+    RETURNING a.action_id
+)
+INSERT INTO action_events (action_id, attempt, status, node_id, detail, at)
+SELECT action_id, attempt, status, node_id, coalesce(error_kind, ''), at FROM t
+ON CONFLICT DO NOTHING
+"""
+
+_ENVS = """
+INSERT INTO envs (trajectory_id, job_id, node_id, incarnation, memory_mb, status, reason,
+                  created_at)
+SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int[], $6::text[],
+                     $7::text[], $8::float8[])
+ON CONFLICT (trajectory_id) DO UPDATE SET job_id = excluded.job_id,
+    node_id = excluded.node_id, incarnation = excluded.incarnation,
+    memory_mb = excluded.memory_mb, status = excluded.status, reason = excluded.reason,
+    updated_at = now()
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    effect: StartOnNode
+    at: float
+
+
+Record = Started | Finish | EnvChanged
+
+
+def _started_columns(rows: Sequence[Started]) -> list[list[object]]:
+    return [
+        [r.effect.action.spec.action_id for r in rows],
+        [r.effect.action.attempt for r in rows],
+        [r.effect.node_id for r in rows],
+        [r.effect.incarnation for r in rows],
+        ["{" + ",".join(map(str, r.effect.cores)) + "}" for r in rows],
+        [r.at for r in rows],
+    ]
+
+
+def _finished_columns(rows: Sequence[Finish]) -> list[list[object]]:
+    res = [f.result for f in rows]
+    return [
+        [r.action_id for r in res],
+        [r.attempt for r in res],
+        [r.status for r in res],
+        [encode(r) for r in res],
+        [r.error.kind.value if r.error else None for r in res],
+        [r.exit_code for r in res],
+        [r.timings.finished_at if r.timings else None for r in res],
+        [r.allocation.node_id if r.allocation else None for r in res],
+    ]
+
+
+def _env_columns(rows: Sequence[EnvChanged], now: float) -> list[list[object]]:
+    last = {r.trajectory_id: r for r in rows}.values()  # in-batch order: the last change wins
+    return [
+        [r.trajectory_id for r in last],
+        [r.job_id for r in last],
+        [r.node_id for r in last],
+        [r.incarnation for r in last],
+        [r.memory_mb for r in last],
+        [r.status for r in last],
+        [r.reason for r in last],
+        [now for _ in last],
+    ]
+
+
+async def write(pool: asyncpg.Pool, records: Sequence[Record], now: float) -> list[None]:
+    """Apply a batch of records in one transaction, starts before finishes."""
+    started = [r for r in records if isinstance(r, Started)]
+    finished = [r for r in records if isinstance(r, Finish)]
+    envs = [r for r in records if isinstance(r, EnvChanged)]
+    async with pool.acquire() as conn, conn.transaction():
+        if envs:
+            await conn.execute(_ENVS, *_env_columns(envs, now))
+        if started:
+            await conn.execute(_STARTED, *_started_columns(started))
+        if finished:
+            await conn.execute(_FINISHED, *_finished_columns(finished))
+    return [None] * len(records)
+
+
+async def next_epoch(pool: asyncpg.Pool) -> int:
+    return int(await pool.fetchval("SELECT nextval('scheduler_epoch')"))
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAction:
+    action: UnifiedAction
+    status: str
+    node_id: str | None
+    incarnation: str | None
+    cores: tuple[int, ...]
+
+
+def _open(row: asyncpg.Record) -> OpenAction:
+    action = codec.decode(row["spec"], UnifiedAction)
+    import msgspec
+
+    action = msgspec.structs.replace(action, attempt=row["attempt"])
+    return OpenAction(action, row["status"], row["node_id"], row["incarnation"],
+                      tuple(row["cores"] or ()))  # fmt: skip
+
+
+async def load_open(pool: asyncpg.Pool, *, older_than: float | None = None) -> list[OpenAction]:
+    """Actions not yet terminal, FCFS; ``older_than`` limits to queued ones submitted before."""
+    if older_than is None:
+        rows = await pool.fetch(
+            "SELECT spec, status, attempt, node_id, incarnation, cores FROM actions"
+            " WHERE status IN ('queued', 'running') ORDER BY submitted_at"
+        )
+    else:
+        rows = await pool.fetch(
+            "SELECT spec, status, attempt, node_id, incarnation, cores FROM actions"
+            " WHERE status = 'queued' AND submitted_at < $1 ORDER BY submitted_at LIMIT 5000",
+            older_than,
+        )
+    return [_open(r) for r in rows]
+
+
+async def load_envs(pool: asyncpg.Pool) -> tuple[list[Env], dict[str, str]]:
+    """Active environments, and why the recently gone ones are gone."""
+    rows = await pool.fetch(
+        "SELECT trajectory_id, job_id, node_id, incarnation, memory_mb, status, reason FROM envs"
+        " WHERE status <> 'closed'"
+    )
+    active = [
+        Env(r["trajectory_id"], r["job_id"], r["node_id"], r["incarnation"], r["memory_mb"])
+        for r in rows
+        if r["status"] == "active"
+    ]
+    gone = {r["trajectory_id"]: r["reason"] for r in rows if r["status"] != "active"}
+    return active, gone

@@ -1,0 +1,107 @@
+"""Environment lifecycle: state persists within a trajectory, never across; close, cap, pool."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from exec_requests import ok, request_for
+
+from services.cpu_manager.backend import EnvFailure
+from services.cpu_manager.docker_backend import DockerBackend
+from services.cpu_manager.docker_engine import Engine
+
+pytestmark = pytest.mark.docker
+
+
+async def test_files_persist_within_a_trajectory_only(backend: DockerBackend) -> None:
+    ok(await backend.run(request_for("traj-1", "echo secret > /work/note && echo $HOME")))
+    assert ok(await backend.run(request_for("traj-1", "cat /work/note"))).strip() == "secret"
+    other = await backend.run(request_for("traj-2", "cat /work/note"))
+    assert other.failure is None
+    assert other.exit_code != 0
+    assert backend.env("traj-1").container_id != backend.env("traj-2").container_id
+
+
+async def test_drop_env_removes_the_container_and_its_state(backend: DockerBackend) -> None:
+    ok(await backend.run(request_for("traj-d", "echo x > /work/f")))
+    container = backend.env("traj-d").container_id
+    await backend.drop_env("traj-d")
+    assert "traj-d" not in backend.envs()
+    assert await backend.call(backend.engine.state, container) is None
+    again = await backend.run(request_for("traj-d", "cat /work/f"))
+    assert again.exit_code != 0
+
+
+async def test_envs_report_last_use_for_idle_ttl(backend: DockerBackend) -> None:
+    before = time.monotonic()
+    ok(await backend.run(request_for("traj-ttl", "true")))
+    last = backend.envs()["traj-ttl"]
+    assert before <= last <= time.monotonic()
+
+
+async def test_cap_per_node_refuses_a_new_environment(backend_factory) -> None:
+    backend = await backend_factory(max_envs=2)
+    for tid in ("cap-1", "cap-2"):
+        ok(await backend.run(request_for(tid, "true")))
+    refused = await backend.run(request_for("cap-3", "true"))
+    assert refused.failure is EnvFailure.BACKEND_DOWN
+    assert "cap of 2" in refused.detail
+    ok(await backend.run(request_for("cap-1", "true")))  # existing envs still run
+    await backend.drop_env("cap-2")
+    ok(await backend.run(request_for("cap-3", "true")))
+
+
+async def test_close_removes_every_container(backend_factory) -> None:
+    backend = await backend_factory(warm_pool=1)
+    await backend.pool.wait_full(timeout_s=30)
+    ok(await backend.run(request_for("traj-c", "true")))
+    await backend.close()
+    engine = Engine(backend.cfg)
+    await asyncio.to_thread(engine.connect)
+    assert await asyncio.to_thread(engine.containers, True) == []
+    engine.close()
+    assert [p.name for p in backend.root.iterdir()] == ["executor.py"]
+    await backend.close()  # idempotent
+
+
+async def test_warm_pool_serves_first_action_and_refills(backend_factory) -> None:
+    backend = await backend_factory(warm_pool=2, memory_mb=256)
+    await backend.pool.wait_full(timeout_s=30)
+    pooled = {env.container_id for env in backend.pool._ready[backend.cfg.default_image]}
+    limit = "cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/memory.max 2>/dev/null"
+    out = ok(await backend.run(request_for("warm-0", limit + "; true", memory_mb=128)))
+    assert int(out.split()[0]) == 128 * 2**20  # the pool container got the trajectory's memory
+    assert backend.env("warm-0").container_id in pooled
+    assert backend.stats["pool_hits"] == 1
+    assert backend.pool.size() == 1
+    await backend.pool.wait_full(timeout_s=30)
+    assert backend.pool.size() == 2
+    assert backend.stats["created"] == 3
+
+
+async def test_a_dead_pool_container_is_replaced(backend_factory) -> None:
+    backend = await backend_factory(warm_pool=1)
+    await backend.pool.wait_full(timeout_s=30)
+    dead = backend.pool._ready[backend.cfg.default_image][0]
+    await backend.call(backend.engine.api.kill, dead.container_id)
+    ok(await backend.run(request_for("traj-after-dead-pool", "true")))
+    assert backend.env("traj-after-dead-pool").container_id != dead.container_id
+    assert backend.stats["quarantined"] == 1
+    await backend.pool.wait_full(timeout_s=30)
+
+
+async def test_drop_env_under_a_running_action_reports_a_kill(backend: DockerBackend) -> None:
+    ok(await backend.run(request_for("traj-dr", "true")))
+    running = asyncio.ensure_future(backend.run(request_for("traj-dr", "sleep 30")))
+    await asyncio.sleep(0)  # one turn of the loop: the action is registered
+    await backend.drop_env("traj-dr")
+    out = await asyncio.wait_for(running, 15)
+    assert out.failure is EnvFailure.KILLED
+    ok(await backend.run(request_for("traj-dr", "true")))  # a fresh environment, no "lost"
+
+
+async def test_an_action_without_cores_is_refused(backend: DockerBackend) -> None:
+    out = await backend.run(request_for("traj-nc", "true", ()))
+    assert out.failure is EnvFailure.INTERNAL

@@ -1,0 +1,95 @@
+"""Allocate-on-execution: each action runs on exactly its granted cores, in its own container."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+from exec_requests import ok, request_for
+
+from services.cpu_manager.backend import EnvFailure
+from services.cpu_manager.docker_backend import DockerBackend
+
+pytestmark = pytest.mark.docker
+
+CPUS = sorted(os.sched_getaffinity(0))
+ALLOWED = "grep Cpus_allowed_list /proc/self/status | cut -f2"
+
+
+def _core_sets() -> list[tuple[int, ...]]:
+    sets = [(CPUS[0],), (CPUS[-1],), tuple(CPUS)]
+    return list(dict.fromkeys(sets))
+
+
+async def test_cpuset_inside_equals_granted_and_changes(backend: DockerBackend) -> None:
+    seen = []
+    for cores in _core_sets():
+        out = ok(await backend.run(request_for("traj-pin", ALLOWED, cores)))
+        seen.append(out.strip())
+        assert out.strip() == _cpulist(cores)
+    if len(CPUS) > 1:
+        assert len(set(seen)) == len(seen), f"cpuset did not change between actions: {seen}"
+
+
+QUOTA = (
+    "cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us 2>/dev/null || cut -d' ' -f1 /sys/fs/cgroup/cpu.max"
+)
+
+
+async def test_cpu_quota_is_granted_cores_during_action_and_parked_after(backend_factory) -> None:
+    backend = await backend_factory(exec_mode="executor", cpuset_via="auto")
+    for cores in _core_sets():
+        out = ok(await backend.run(request_for("traj-quota", QUOTA, cores)))
+        assert int(out) == 100_000 * len(cores)
+    env = backend.env("traj-quota")
+    assert env is not None
+    if env.cgroup is not None:  # between actions the container is throttled to 1% of a core
+        name = "cpu.cfs_quota_us" if env.cgroup.version == 1 else "cpu.max"
+        assert (env.cgroup.cpu_dir / name).read_text().split()[0] == "1000"
+
+
+async def test_dop_and_core_env_vars(backend: DockerBackend) -> None:
+    cores = tuple(CPUS)
+    out = ok(await backend.run(request_for("traj-dop", "echo $TANGRAM_DOP $TANGRAM_CORES", cores)))
+    assert out.split() == [str(len(cores)), _cpulist(cores)]
+
+
+async def test_two_trajectories_never_share_a_core(backend: DockerBackend) -> None:
+    if len(CPUS) < 2:
+        pytest.skip("needs two cores")
+    probe = (
+        "import os,time\n"
+        "seen=set(); end=time.time()+0.6\n"
+        "while time.time()<end:\n"
+        "    seen.add(int(open('/proc/self/stat').read().rsplit(')',1)[1].split()[36]))\n"
+        "print(sorted(os.sched_getaffinity(0)), sorted(seen))\n"
+    )
+    a, b = await asyncio.gather(
+        backend.run(request_for("traj-a", ["python3", "-c", probe], (CPUS[0],))),
+        backend.run(request_for("traj-b", ["python3", "-c", probe], (CPUS[1],))),
+    )
+    ran_a, ran_b = (_ran_on(ok(o)) for o in (a, b))
+    assert ran_a == {CPUS[0]}
+    assert ran_b == {CPUS[1]}
+
+
+async def test_a_core_held_by_one_action_is_refused_to_another(backend: DockerBackend) -> None:
+    ok(await backend.run(request_for("traj-x", "true", (CPUS[0],))))
+    slow = asyncio.ensure_future(backend.run(request_for("traj-x", "sleep 1", (CPUS[0],))))
+    await asyncio.sleep(0)  # one turn of the loop: its cores are claimed
+    clash = await backend.run(request_for("traj-y", "true", (CPUS[0],)))
+    assert clash.failure is EnvFailure.INTERNAL
+    assert "held by another action" in clash.detail
+    ok(await slow)
+
+
+def _ran_on(stdout: str) -> set[int]:
+    _affinity, ran = stdout.strip().split("] [")
+    return {int(c) for c in ran.strip("[]").split(",") if c.strip()}
+
+
+def _cpulist(cores: tuple[int, ...]) -> str:
+    from services.cpu_manager.cores import format_cpulist
+
+    return format_cpulist(cores)
