@@ -131,6 +131,9 @@ class ActionSpec(_Msg):
     queue_timeout_s: PosSeconds | None = None
     profile: Annotated[str, Meta(max_length=128)] = ""
     duration: DurationHint | None = None
+    # Environment settings, applied when the trajectory's environment is created.
+    image: Annotated[str, Meta(max_length=256, pattern=r"^[A-Za-z0-9._/:@-]*$")] = ""
+    network: bool = False
 
 
 class Demand(_Msg):

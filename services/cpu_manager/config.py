@@ -21,6 +21,10 @@ class CpuManagerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     memory_mb: int = 0  # memory to offer (default: all of it)
     heartbeat_s: float = 1.0
     env_ttl_s: float = 3600.0
+    docker_host: str = ""  # "" = $DOCKER_HOST or the default socket
+    image: str = "tangram-sandbox:latest"  # default sandbox image of the docker backend
+    warm_pool: int = 2  # pre-created containers per image (docker backend)
+    max_envs: int = 64  # environments per node (docker backend)
 
     def env_root(self) -> Path:
         return Path(self.state_dir).resolve() / "envs" / self.node_id

@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 
 from services.cpu_manager import inventory
 from services.cpu_manager.backend import Backend, EnvFailure, ExecOutcome, ExecRequest
+from services.cpu_manager.backends import make_backend
 from services.cpu_manager.config import CpuManagerConfig
 from services.cpu_manager.dop import substitute_dop
 from services.cpu_manager.outcome import to_result
@@ -66,12 +67,11 @@ class CpuManager(Service):
         self.cfg = cfg
         self.node_id = cfg.node_id
         self.incarnation = uuid.uuid4().hex
-        self.backend = backend or ProcessBackend(
+        self._given_backend = backend
+        self.backend: Backend = backend or ProcessBackend(
             ProcessConfig(root=cfg.env_root(), node_id=self.node_id, incarnation=self.incarnation)
         )
-        self.inventory: Inventory = inventory.read(
-            self.backend.name, self.backend.isolates, cfg.cores, cfg.memory_mb
-        )
+        self.inventory: Inventory = inventory.read("none", False, cfg.cores, cfg.memory_mb)
         self.bus: Bus | None = None
         self.epoch = 0
         self.active: dict[str, _Active] = {}
@@ -84,13 +84,16 @@ class CpuManager(Service):
     # ------------------------------------------------------------------ lifecycle
 
     async def on_start(self) -> None:
+        if self._given_backend is None:
+            self.backend, line = await make_backend(self.cfg, self.incarnation)
+            log.warning("node %s: %s", self.node_id, line)
         await self.backend.start()
         if not self.backend.isolates:
-            log.warning(
-                "node %s: %s backend does NOT isolate trajectories (no container, shared user, "
-                "shared network); use the docker backend for untrusted code",
-                self.node_id, self.backend.name,
-            )  # fmt: skip
+            log.warning("node %s: the %s backend does NOT isolate trajectories (same user, "
+                        "same filesystem, same network)", self.node_id, self.backend.name)  # fmt: skip
+        self.inventory = inventory.read(
+            self.backend.name, self.backend.isolates, self.cfg.cores, self.cfg.memory_mb
+        )
         self.bus = await Bus.connect(self.mesh.nats_url, f"cpu_manager.{self.node_id}")
         self.bus.serve(subjects.node(self.node_id), NodeCommand, self.on_command,
                        max_in_flight=100_000)  # fmt: skip
@@ -179,7 +182,7 @@ class CpuManager(Service):
             action_id=spec.action_id, trajectory_id=spec.trajectory_id,
             argv=substitute_dop(argv, len(d.cores)), cores=d.cores, timeout_s=spec.timeout_s,
             output_cap_bytes=spec.action.output_cap_bytes, env=dict(spec.action.env),
-            memory_mb=spec.memory_mb,
+            memory_mb=spec.memory_mb, image=spec.image, network=spec.network,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ reporting

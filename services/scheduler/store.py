@@ -25,7 +25,7 @@ WITH t AS (
     RETURNING a.action_id
 )
 INSERT INTO action_events (action_id, attempt, status, node_id, at)
-SELECT action_id, attempt, 'running', node_id, at FROM t
+SELECT t.action_id, t.attempt, 'running', t.node_id, t.at FROM t JOIN up USING (action_id)
 ON CONFLICT DO NOTHING
 """
 
@@ -41,7 +41,8 @@ WITH t AS (
     RETURNING a.action_id
 )
 INSERT INTO action_events (action_id, attempt, status, node_id, detail, at)
-SELECT action_id, attempt, status, node_id, coalesce(error_kind, ''), at FROM t
+SELECT t.action_id, t.attempt, t.status, t.node_id, coalesce(t.error_kind, ''), t.at
+FROM t JOIN up USING (action_id)
 ON CONFLICT DO NOTHING
 """
 

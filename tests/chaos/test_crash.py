@@ -1,0 +1,104 @@
+"""kill -9 of the scheduler and of the cpu_manager mid-run: every acknowledged action still
+reaches exactly one terminal state, recorded in Postgres and delivered; nothing runs twice."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from tangram import ActionSpec, ErrorKind, ExecAction
+from tangram.client import Client
+from tangram.launcher import Mesh
+
+from ..conftest import mesh_options
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+async def own_mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
+    m = Mesh(mesh_options(tmp_path / "mesh"))
+    try:
+        await m.start()
+        yield m
+    finally:
+        await m.stop()
+
+
+def specs(uid: str, log: Path, n: int, trajectories: int, sleep: str) -> list[ActionSpec]:
+    cmd = f'echo "$TANGRAM_ACTION_ID" >> {log}; sleep {sleep}'
+    return [
+        ActionSpec(action_id=f"{uid}-{i}", job_id=uid, trajectory_id=f"{uid}-t{i % trajectories}",
+                   action=ExecAction(command=cmd))  # fmt: skip
+        for i in range(n)
+    ]
+
+
+async def terminal_records(dsn: str, ids: list[str]) -> tuple[dict[str, str], dict[str, int]]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT action_id, status FROM actions WHERE action_id = ANY($1)",
+                                ids)  # fmt: skip
+        events = await conn.fetch(
+            "SELECT action_id, count(*) AS n FROM action_events WHERE action_id = ANY($1)"
+            " AND status IN ('succeeded', 'failed', 'cancelled') GROUP BY action_id", ids
+        )
+    finally:
+        await conn.close()
+    return {r["action_id"]: r["status"] for r in rows}, {r["action_id"]: r["n"] for r in events}
+
+
+async def run_through_crash(mesh: Mesh, victim: str, uid: str, log: Path, n: int) -> list:
+    async with Client.connect(mesh.nats_url) as client:
+        todo = specs(uid, log, n, trajectories=8, sleep="0.2")
+        acks = await asyncio.gather(*(client.submit(s) for s in todo))
+        assert all(not a.duplicate for a in acks)
+        await asyncio.sleep(0.7)
+        await mesh.kill(victim)
+        await asyncio.sleep(1.0)
+        name, _, index = victim.partition(".")
+        await mesh.start_service(name, int(index or 0))
+        results = await asyncio.gather(*(client.result(s.action_id, timeout=90) for s in todo))
+    ids = [s.action_id for s in todo]
+    for _ in range(50):  # results are pushed as they end; their records commit moments later
+        statuses, terminal_events = await terminal_records(mesh.postgres_dsn, ids)
+        if len(terminal_events) == len(ids):
+            break
+        await asyncio.sleep(0.1)
+    for s, r in zip(todo, results, strict=True):
+        assert statuses[s.action_id] == r.status  # recorded == delivered
+        assert terminal_events.get(s.action_id) == 1, s.action_id  # exactly one terminal state
+    return results
+
+
+async def test_scheduler_kill9_loses_nothing_and_runs_nothing_twice(own_mesh: Mesh, uid: str,
+                                                                    tmp_path: Path):  # fmt: skip
+    log = tmp_path / "ran.log"
+    results = await run_through_crash(own_mesh, "scheduler", uid, log, n=60)
+    assert all(r.ok for r in results), collections.Counter(
+        (r.status, r.error.kind if r.error else None) for r in results
+    )
+    runs = collections.Counter(log.read_text().split())
+    assert set(runs) == {r.action_id for r in results}
+    assert max(runs.values()) == 1
+
+
+async def test_node_agent_kill9_fails_in_flight_as_node_died_and_reruns_nothing(
+    own_mesh: Mesh, uid: str, tmp_path: Path
+):
+    log = tmp_path / "ran.log"
+    results = await run_through_crash(own_mesh, "cpu_manager.0", uid, log, n=60)
+    kinds = collections.Counter(r.error.kind if r.error else "ok" for r in results)
+    assert kinds[ErrorKind.NODE_DIED] >= 1, kinds
+    assert set(kinds) <= {"ok", ErrorKind.NODE_DIED, ErrorKind.ENVIRONMENT_LOST}, kinds
+    for r in results:
+        assert r.ok or r.infrastructure_failure
+    runs = collections.Counter(log.read_text().split())
+    assert max(runs.values()) == 1
+    ok_ids = {r.action_id for r in results if r.ok}
+    assert ok_ids <= set(runs)
