@@ -24,6 +24,7 @@ FAST_SERVICES = {
 def mesh_options(root: Path, **kw: object) -> MeshOptions:
     env = dict(FAST_SERVICES)
     env.update(kw.pop("env", {}) or {})  # type: ignore[arg-type]
+    kw.setdefault("backend", "process")
     return MeshOptions(state_dir=root, fsync=False, env=env, **kw)  # type: ignore[arg-type]
 
 

@@ -131,17 +131,27 @@ class Bus:
         self._servers: list[Server] = []
 
     @classmethod
-    async def connect(cls, url: str, name: str, *, deadline_s: float = 10.0) -> Bus:
+    async def connect(
+        cls, url: str, name: str, *, deadline_s: float = 10.0,
+        on_reconnect: Callable[[], Awaitable[None]] | None = None,
+    ) -> Bus:  # fmt: skip
         """Connect within ``deadline_s``; once connected, reconnect forever (a broker restart
-        is survivable)."""
+        is survivable). ``on_reconnect`` runs after each reconnection."""
         try:
-            nc = await asyncio.wait_for(cls._connect(url, name), deadline_s)
-        except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+            nc = await asyncio.wait_for(cls._connect(url, name, on_reconnect), deadline_s)
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
             raise Unavailable(f"cannot connect to NATS at {url}: {exc or 'timed out'}") from exc
         return cls(nc, name)
 
     @staticmethod
-    async def _connect(url: str, name: str) -> NATS:
+    async def _connect(
+        url: str, name: str, on_reconnect: Callable[[], Awaitable[None]] | None
+    ) -> NATS:
+        async def reconnected() -> None:
+            log.info("%s: reconnected to NATS", name)
+            if on_reconnect is not None:
+                await on_reconnect()
+
         return await nats.connect(
             url,
             name=name,

@@ -1,10 +1,10 @@
 """``tangram``: the command line, and the one composition root of the project.
 
-    tangram up        the whole mesh on this machine (embedded NATS + Postgres)
-    tangram service   one service against given NATS/Postgres URLs
-    tangram exec      run one action from a shell
-    tangram demo      an embedded mesh running a small AI-coding rollout, with a report
-    tangram simulate  the trace-driven simulator (the scheduler's core on a virtual clock)
+tangram up        the whole mesh on this machine (embedded NATS + Postgres)
+tangram service   one service against given NATS/Postgres URLs
+tangram exec      run one action from a shell
+tangram demo      an embedded mesh running a small AI-coding rollout, with a report
+tangram simulate  the trace-driven simulator (the scheduler's core on a virtual clock)
 """
 
 from __future__ import annotations

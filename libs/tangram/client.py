@@ -44,6 +44,7 @@ T = TypeVar("T")
 GATEWAY_TIMEOUT_S = 10.0
 MAX_RETRIES = 20
 EARLY_LIMIT = 100_000
+RECHECK_S = 30.0  # ask the gateway for a result not pushed within this (and on reconnect)
 
 
 class Client:
@@ -65,8 +66,10 @@ class Client:
 
     @classmethod
     async def _open(cls, nats_url: str, **kw: Any) -> Client:
-        bus = await Bus.connect(nats_url, "tangram-client")
+        holder: list[Client] = []
+        bus = await Bus.connect(nats_url, "tangram-client", on_reconnect=lambda: holder[0].resync())
         client = cls(bus, **kw)
+        holder.append(client)
         client._sub = await bus.nc.subscribe(
             subjects.results(client.client_id), cb=client._on_result, pending_msgs_limit=1_000_000
         )
@@ -205,7 +208,7 @@ class Client:
         *, ask_first: bool,
     ) -> ActionResult:  # fmt: skip
         deadline = None if wait_s is None else time.monotonic() + wait_s
-        recheck = 0.0 if ask_first else 2.0
+        recheck = 0.0 if ask_first else RECHECK_S
         try:
             while True:
                 if recheck == 0.0 or not await _wait(fut, _slice(recheck, deadline)):
@@ -216,9 +219,20 @@ class Client:
                     return fut.result()
                 if deadline is not None and time.monotonic() >= deadline:
                     raise ResultTimeout(f"action {action_id} did not finish within {wait_s}s")
-                recheck = min(10.0, max(2.0, recheck * 2))
+                recheck = min(4 * RECHECK_S, max(RECHECK_S, recheck * 2))
         finally:
             self._waiters.pop(action_id, None)
+
+    async def resync(self) -> None:
+        """After a reconnect, pushes may have been missed: ask for every awaited result."""
+        pending = [aid for aid, fut in self._waiters.items() if not fut.done()]
+        for i in range(0, len(pending), 64):
+            found = await asyncio.gather(
+                *(self._ask(aid) for aid in pending[i : i + 64]), return_exceptions=True
+            )
+            for res in found:
+                if isinstance(res, ActionResult):
+                    self._deliver(res)
 
     async def _ask(self, action_id: str) -> ActionResult | None:
         reply = await self._gateway(GetResult(action_id=action_id))
@@ -327,4 +341,3 @@ class SyncClient:
 
 async def _as_coro(aw: Awaitable[T]) -> T:
     return await aw
-

@@ -146,9 +146,7 @@ class GroupCommit(Generic[T, R]):
                 fut.set_result(result)
 
 
-async def retrying(
-    op: Callable[[], Awaitable[R]], *, what: str, max_delay_s: float = 2.0
-) -> R:
+async def retrying(op: Callable[[], Awaitable[R]], *, what: str, max_delay_s: float = 2.0) -> R:
     """Run ``op`` until it succeeds, backing off while Postgres is unreachable."""
     delay = 0.05
     while True:

@@ -41,6 +41,14 @@ if __name__ == "__main__":
 """
 
 
+FIB = """def fib(n):
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+"""
+
+
 @dataclass(frozen=True)
 class DemoOptions:
     trajectories: int = 32
@@ -52,7 +60,7 @@ class DemoOptions:
 def solution(turn: int, rng: random.Random) -> str:
     """The 'model output' of one turn: a function that is right from turn 2 on, mostly."""
     bug = " + 1" if turn == 0 and rng.random() < 0.7 else ""
-    return f"def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a{bug}\n"
+    return FIB.replace("return a", f"return a{bug}")
 
 
 def tests(n: int) -> str:
@@ -61,7 +69,7 @@ def tests(n: int) -> str:
         f"sum(_ref(k % 25) for k in range(20000))\n"
         for i in range(n)
     ]
-    ref = "def _ref(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
+    ref = FIB.replace("def fib", "def _ref")
     return "from solution import fib\n" + ref + "\n".join(cases)
 
 

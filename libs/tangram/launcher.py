@@ -106,7 +106,7 @@ class Mesh:
         key = name if name != "cpu_manager" else f"cpu_manager.{index}"
         log_path = self.opts.state_dir / "logs" / f"{key}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as out:
+        with open(log_path, "ab") as out:  # noqa: ASYNC230 (a local file, opened once)
             self.procs[key] = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", f"services.{name}", env=self.service_env(name, index),
                 stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,

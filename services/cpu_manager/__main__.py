@@ -1,4 +1,4 @@
-"""Run the cpu_manager service: `python -m services.cpu_manager` (configured by environment variables)."""
+"""Run the cpu_manager service (``python -m services.cpu_manager``), configured by env."""
 
 from __future__ import annotations
 
@@ -20,5 +20,7 @@ async def main() -> None:
 
 if __name__ == "__main__":
     runtime.setup_logging()
-    import asyncio, os
+    import asyncio
+    import os
+
     (asyncio.run if os.environ.get("TG_LOOP") == "asyncio" else uvloop.run)(main())

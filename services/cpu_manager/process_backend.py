@@ -40,30 +40,43 @@ class ProcessConfig:
     path: str = "/usr/local/bin:/usr/bin:/bin"
 
 
-class CappedSink(asyncio.Protocol):
-    """Collects up to ``cap`` bytes of a pipe, counts the rest, and signals EOF."""
+class CappedSink:
+    """Reads one pipe on the event loop: keeps ``cap`` bytes, flags the rest, owns the fd."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self, fd: int, cap: int) -> None:
+        self.fd = fd
         self.cap = cap
         self.chunks: list[bytes] = []
         self.size = 0
         self.truncated = False
         self.eof = asyncio.get_running_loop().create_future()
+        os.set_blocking(fd, False)
+        asyncio.get_running_loop().add_reader(fd, self._readable)
 
-    def data_received(self, data: bytes) -> None:  # type: ignore[override]
+    def _readable(self) -> None:
+        try:
+            data = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.close()
+            return
         room = self.cap - self.size
         if room > 0:
             self.chunks.append(data[:room])
+            self.size += min(len(data), room)
         if len(data) > room:
             self.truncated = True
-        self.size += min(len(data), max(room, 0))
 
-    def eof_received(self) -> bool:
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.eof.done():
-            self.eof.set_result(None)
+    def close(self) -> None:
+        """Stop reading and close the fd (once)."""
+        if self.eof.done():
+            return
+        asyncio.get_running_loop().remove_reader(self.fd)
+        os.close(self.fd)
+        self.eof.set_result(None)
 
     def value(self) -> bytes:
         return b"".join(self.chunks)
@@ -73,6 +86,8 @@ class CappedSink(asyncio.Protocol):
 class _Run:
     proc: subprocess.Popen[bytes]
     trajectory_id: str
+    out_fd: int
+    err_fd: int
     killed: EnvFailure | None = None
     exited: asyncio.Future[int] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -149,11 +164,13 @@ class ProcessBackend:
         loop = asyncio.get_running_loop()
         started = time.time()
         try:
-            proc = await loop.run_in_executor(self._launcher, self._spawn, req, workdir)
+            proc, out_fd, err_fd = await loop.run_in_executor(
+                self._launcher, self._spawn, req, workdir
+            )
         except OSError as exc:
             return ExecOutcome(None, b"", str(exc).encode(), False, False, started, time.time(),
                                EnvFailure.INTERNAL, f"could not start: {exc}")  # fmt: skip
-        run = _Run(proc, req.trajectory_id)
+        run = _Run(proc, req.trajectory_id, out_fd, err_fd)
         self._runs[req.action_id] = run
         try:
             return await self._supervise(req, run, started)
@@ -161,13 +178,27 @@ class ProcessBackend:
             self._runs.pop(req.action_id, None)
             self._envs[req.trajectory_id] = time.monotonic()
 
-    def _spawn(self, req: ExecRequest, workdir: Path) -> subprocess.Popen[bytes]:
-        """Runs on the launcher thread: pin this thread, then spawn (the child inherits it)."""
+    def _spawn(self, req: ExecRequest, workdir: Path) -> tuple[subprocess.Popen[bytes], int, int]:
+        """Runs on the launcher thread: pin this thread, then spawn (the child inherits it).
+
+        The pipes are plain fds owned by the caller, so exactly one party ever closes them.
+        """
         os.sched_setaffinity(0, req.cores)
-        return subprocess.Popen(
-            req.argv, cwd=workdir, env=self._environ(req, workdir), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-        )  # fmt: skip
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                req.argv, cwd=workdir, env=self._environ(req, workdir), stdin=subprocess.DEVNULL,
+                stdout=out_w, stderr=err_w, start_new_session=True,
+            )  # fmt: skip
+        except BaseException:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            raise
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        return proc, out_r, err_r
 
     def _environ(self, req: ExecRequest, workdir: Path) -> dict[str, str]:
         env = {
@@ -181,13 +212,8 @@ class ProcessBackend:
         return env
 
     async def _supervise(self, req: ExecRequest, run: _Run, started: float) -> ExecOutcome:
-        loop = asyncio.get_running_loop()
-        assert run.proc.stdout is not None
-        assert run.proc.stderr is not None
-        out = CappedSink(req.output_cap_bytes)
-        err = CappedSink(req.output_cap_bytes)
-        await loop.connect_read_pipe(lambda: out, run.proc.stdout)
-        await loop.connect_read_pipe(lambda: err, run.proc.stderr)
+        out = CappedSink(run.out_fd, req.output_cap_bytes)
+        err = CappedSink(run.err_fd, req.output_cap_bytes)
         self._watch_exit(run)
         try:
             code = await asyncio.wait_for(asyncio.shield(run.exited), req.timeout_s)
@@ -220,6 +246,8 @@ class ProcessBackend:
         if len(done) < 2:
             _killpg(run.proc.pid)
             await asyncio.wait([out.eof, err.eof], timeout=DRAIN_AFTER_EXIT_S)
+        out.close()
+        err.close()
 
 
 def _killpg(pid: int) -> None:

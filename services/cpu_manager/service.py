@@ -89,8 +89,10 @@ class CpuManager(Service):
             log.warning("node %s: %s", self.node_id, line)
         await self.backend.start()
         if not self.backend.isolates:
-            log.warning("node %s: the %s backend does NOT isolate trajectories (same user, "
-                        "same filesystem, same network)", self.node_id, self.backend.name)  # fmt: skip
+            log.warning(
+                "node %s: the %s backend does NOT isolate trajectories (same user, "
+                "same filesystem, same network)", self.node_id, self.backend.name,
+            )  # fmt: skip
         self.inventory = inventory.read(
             self.backend.name, self.backend.isolates, self.cfg.cores, self.cfg.memory_mb
         )
@@ -206,13 +208,15 @@ class CpuManager(Service):
 
     def node_report(self) -> NodeReport:
         running = [
-            RunningAction(action_id=aid, attempt=a.attempt, trajectory_id=a.trajectory_id,
-                          cores=a.cores)  # fmt: skip
+            RunningAction(
+                action_id=aid, attempt=a.attempt, trajectory_id=a.trajectory_id, cores=a.cores
+            )  # fmt: skip
             for aid, a in self.active.items()
         ]
         running += [
-            RunningAction(action_id=aid, attempt=c.attempt,
-                          trajectory_id=c.result.trajectory_id, cores=())  # fmt: skip
+            RunningAction(
+                action_id=aid, attempt=c.attempt, trajectory_id=c.result.trajectory_id, cores=()
+            )  # fmt: skip
             for aid, c in self.outbox.items()
         ]
         self._seq += 1
@@ -262,4 +266,3 @@ class CpuManager(Service):
 def _failed_outcome(failure: EnvFailure, detail: str) -> ExecOutcome:
     now = time.time()
     return ExecOutcome(None, b"", b"", False, False, now, now, failure, detail)
-

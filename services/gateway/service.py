@@ -94,7 +94,8 @@ class Gateway(Service):
                 return await self.forward(CancelCmd(action_id=action_id))
 
     async def submit(self, req: Submit) -> Any:
-        assert self.intake is not None and self.bus is not None
+        assert self.intake is not None
+        assert self.bus is not None
         action = formulate(
             req.spec,
             now=time.time(),

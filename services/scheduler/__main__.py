@@ -1,4 +1,4 @@
-"""Run the scheduler service: `python -m services.scheduler` (configured by environment variables)."""
+"""Run the scheduler service: ``python -m services.scheduler``, configured by the environment."""
 
 from __future__ import annotations
 
@@ -20,5 +20,7 @@ async def main() -> None:
 
 if __name__ == "__main__":
     runtime.setup_logging()
-    import asyncio, os
+    import asyncio
+    import os
+
     (asyncio.run if os.environ.get("TG_LOOP") == "asyncio" else uvloop.run)(main())

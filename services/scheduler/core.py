@@ -232,7 +232,7 @@ class SchedulerCore:
             if run.node_id == node.node_id:
                 del self.running[aid]
                 effects += self._finish(run.action, self._died(run, now, why))
-        for tid, env in list(self.envs.items()):
+        for env in list(self.envs.values()):
             if env.node_id == node.node_id:
                 effects.append(self._end_env(env, "lost", f"node {node.node_id} died: {why}"))
         return effects
@@ -268,6 +268,9 @@ class SchedulerCore:
         if node is not None and node.incarnation == run.incarnation:
             node.free |= set(run.cores)
         result = completed(run.action, result, now=now)
+        observe = getattr(self.policy, "observe", None)
+        if observe is not None and result.status == "succeeded" and result.timings is not None:
+            observe(run.action.spec.profile, len(run.cores), result.timings.exec_s)
         return self._finish(run.action, result)
 
     def _finish(self, action: UnifiedAction, result: ActionResult) -> list[Effect]:
@@ -357,8 +360,8 @@ class SchedulerCore:
                     effects += self._block_unplaced(act, p, now)
                     continue
             self._offer(p, node_id, act)
-            if p.unplaced_blocked and len(p.full) == len(self.nodes):
-                break
+            if len(p.full) == len(self.nodes):
+                break  # every pool is blocked with its lookahead filled: nothing later can start
         for node_id, waiting in p.waiting.items():
             effects += self._admit(self.nodes[node_id], waiting, now)
         return effects
@@ -439,11 +442,7 @@ class SchedulerCore:
 
     def _admit(self, node: Node, acts: list[UnifiedAction], now: float) -> list[Effect]:
         waiting = [_waiting(a) for a in acts]
-        busy = [
-            Busy(aid, len(r.cores), r.started_at)
-            for aid, r in self.running.items()
-            if r.node_id == node.node_id
-        ]
+        busy = [_busy(aid, r) for aid, r in self.running.items() if r.node_id == node.node_id]
         grants = self.policy.arrange(waiting, len(node.free), node.capacity, busy, now)
         effects: list[Effect] = []
         for act, units in zip(acts, grants, strict=False):
@@ -476,6 +475,16 @@ class SchedulerCore:
             "envs": len(self.envs),
             "free_cores": sum(len(n.free) for n in self.nodes.values()),
         }
+
+
+def _busy(aid: str, run: Running) -> Busy:
+    spec = run.action.spec
+    hint = spec.duration
+    return Busy(
+        aid, len(run.cores), run.started_at, trajectory_id=spec.trajectory_id,
+        profile=spec.profile, t_ori_s=hint.t_ori_s if hint else None,
+        parallel_fraction=hint.parallel_fraction if hint else None,
+    )  # fmt: skip
 
 
 def _waiting(act: UnifiedAction) -> Waiting:

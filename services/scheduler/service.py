@@ -216,14 +216,16 @@ class Scheduler(Service):
             await self.apply(self.core.tick(self.clock()))
             self._dirty.set()
 
+    async def _load_stale(self) -> list[store.OpenAction]:
+        assert self.pool is not None
+        return await store.load_open(self.pool, older_than=self.clock() - self.cfg.sweep_s)
+
     async def _sweep_loop(self) -> None:
         """Pick up durable actions whose hand-off from the gateway was lost."""
         assert self.pool is not None
         while True:
             await asyncio.sleep(self.cfg.sweep_s)
-            older = self.clock() - self.cfg.sweep_s
-            rows = await db.retrying(lambda: store.load_open(self.pool, older_than=older),
-                                     what="sweep")  # fmt: skip
+            rows = await db.retrying(self._load_stale, what="sweep")
             fresh = [r for r in rows if not self.core.known(r.action.spec.action_id)]
             for row in fresh:
                 self.core.enqueue(row.action, self.clock())

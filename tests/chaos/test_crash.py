@@ -33,8 +33,12 @@ async def own_mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
 def specs(uid: str, log: Path, n: int, trajectories: int, sleep: str) -> list[ActionSpec]:
     cmd = f'echo "$TANGRAM_ACTION_ID" >> {log}; sleep {sleep}'
     return [
-        ActionSpec(action_id=f"{uid}-{i}", job_id=uid, trajectory_id=f"{uid}-t{i % trajectories}",
-                   action=ExecAction(command=cmd))  # fmt: skip
+        ActionSpec(
+            action_id=f"{uid}-{i}",
+            job_id=uid,
+            trajectory_id=f"{uid}-t{i % trajectories}",
+            action=ExecAction(command=cmd),
+        )  # fmt: skip
         for i in range(n)
     ]
 
@@ -46,7 +50,8 @@ async def terminal_records(dsn: str, ids: list[str]) -> tuple[dict[str, str], di
                                 ids)  # fmt: skip
         events = await conn.fetch(
             "SELECT action_id, count(*) AS n FROM action_events WHERE action_id = ANY($1)"
-            " AND status IN ('succeeded', 'failed', 'cancelled') GROUP BY action_id", ids
+            " AND status IN ('succeeded', 'failed', 'cancelled') GROUP BY action_id",
+            ids,
         )
     finally:
         await conn.close()

@@ -102,7 +102,7 @@ async def test_hundreds_of_concurrent_actions_never_share_a_core(client: Client,
         assert seen == cores
         spans.append((r.timings.started_at, r.timings.finished_at, cores))
     spans.sort()
-    for i, (s1, e1, c1) in enumerate(spans):
+    for i, (_s1, e1, c1) in enumerate(spans):
         for s2, _e2, c2 in spans[i + 1 :]:
             if s2 >= e1:
                 break

@@ -1,0 +1,67 @@
+"""The README's commands, end to end: `tangram demo`, and `tangram up` + `tangram exec`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TANGRAM = [sys.executable, "-m", "tangram.cli"]
+ENV = {**os.environ, "TANGRAM_CPU_BACKEND": "process"}
+
+
+@pytest.mark.slow
+def test_demo_runs_a_rollout_and_reports_completion_times(tmp_path: Path):
+    out = subprocess.run(
+        [*TANGRAM, "demo", "--state-dir", str(tmp_path), "--trajectories", "4", "--turns", "2",
+         "--backend", "process"],
+        capture_output=True, text=True, timeout=180, env=ENV,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "action completion time" in out.stdout
+    for word in ("queue", "execution", "overhead", "p50", "p99"):
+        assert word in out.stdout
+    assert "0 infrastructure failures" in out.stdout
+
+
+@pytest.mark.slow
+def test_up_writes_mesh_json_and_exec_runs_an_action(tmp_path: Path):
+    up = subprocess.Popen(
+        [*TANGRAM, "up", "--state-dir", str(tmp_path), "--backend", "process"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        lines = []
+        assert up.stdout is not None
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()
+            lines.append(line)
+            if "mesh up" in line or not line:
+                break
+        assert any("mesh up" in x for x in lines), "".join(lines)
+        assert any(x.startswith("gateway") for x in lines)
+        mesh = json.loads((tmp_path / "mesh.json").read_text())
+        assert mesh["nats_url"].startswith("nats://")
+        assert mesh["postgres_dsn"].startswith("postgresql://")
+        ran = subprocess.run(
+            [*TANGRAM, "exec", "--state-dir", str(tmp_path), "--cpus", "1-2", "--",
+             "echo", "dop={dop}"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout.startswith("dop=")
+        failed = subprocess.run([*TANGRAM, "exec", "--state-dir", str(tmp_path), "--", "exit 7"],
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert failed.returncode == 7
+    finally:
+        up.send_signal(signal.SIGTERM)
+        rest, _ = up.communicate(timeout=60)
+    assert up.returncode == 0, rest
+    assert "stopping" in rest
