@@ -326,7 +326,14 @@ class EnvExpired(_Msg, tag="env_expired"):
     trajectory_id: str
 
 
-NodeMessage = Completion | NodeReport | EnvExpired
+class NodeLeaving(_Msg, tag="node_leaving"):
+    """A node agent shutting down after draining: dispatch nothing more to this incarnation."""
+
+    node_id: NodeId
+    incarnation: str
+
+
+NodeMessage = Completion | NodeReport | EnvExpired | NodeLeaving
 
 
 class Ack(_Msg, tag="ack"):
@@ -340,6 +347,7 @@ class Dispatch(_Msg, tag="dispatch"):
     action: UnifiedAction
     cores: tuple[int, ...]
     epoch: int
+    incarnation: str = ""  # the node agent incarnation it is meant for
 
 
 class Kill(_Msg, tag="kill"):

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 DRAIN_AFTER_EXIT_S = 0.5  # background children may hold the pipes; stop reading after this
 AGENT_TAG = "TANGRAM_AGENT_INCARNATION"
+ROOT_TAG = "TANGRAM_ENV_ROOT"  # leftovers are recognised by the env root they ran under
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,11 +117,15 @@ class ProcessBackend:
         await asyncio.to_thread(self._clean_leftovers)
 
     def _clean_leftovers(self) -> None:
-        """Kill processes an earlier incarnation of this node left, and wipe its directories."""
+        """Kill processes an earlier incarnation of this node left, and wipe its directories.
+
+        Only processes that ran under this node's own env root count: other meshes on the same
+        machine (another state dir) are left alone.
+        """
         for proc in psutil.process_iter(["pid"]):
             with contextlib.suppress(psutil.Error):
                 env = proc.environ()
-                if env.get("TANGRAM_NODE_ID") == self.cfg.node_id and env.get(AGENT_TAG) != (
+                if env.get(ROOT_TAG) == str(self.cfg.root) and env.get(AGENT_TAG) != (
                     self.cfg.incarnation
                 ):
                     log.warning("killing leftover action process %d", proc.pid)
@@ -201,14 +206,16 @@ class ProcessBackend:
         return proc, out_r, err_r
 
     def _environ(self, req: ExecRequest, workdir: Path) -> dict[str, str]:
-        env = {
-            "PATH": self.cfg.path, "HOME": str(workdir), "TMPDIR": str(workdir),
-            "LANG": "C.UTF-8", "TANGRAM_ACTION_ID": req.action_id,
-            "TANGRAM_TRAJECTORY_ID": req.trajectory_id, "TANGRAM_NODE_ID": self.cfg.node_id,
-            "TANGRAM_CORES": ",".join(map(str, req.cores)), "TANGRAM_DOP": str(len(req.cores)),
-            AGENT_TAG: self.cfg.incarnation,
-        }  # fmt: skip
+        """The action's own variables over a minimal base; Tangram's tags cannot be overridden."""
+        env = {"PATH": self.cfg.path, "HOME": str(workdir), "TMPDIR": str(workdir),
+               "LANG": "C.UTF-8"}  # fmt: skip
         env.update(req.env)
+        env.update({
+            "TANGRAM_ACTION_ID": req.action_id, "TANGRAM_TRAJECTORY_ID": req.trajectory_id,
+            "TANGRAM_NODE_ID": self.cfg.node_id, "TANGRAM_CORES": ",".join(map(str, req.cores)),
+            "TANGRAM_DOP": str(len(req.cores)), AGENT_TAG: self.cfg.incarnation,
+            ROOT_TAG: str(self.cfg.root),
+        })  # fmt: skip
         return env
 
     async def _supervise(self, req: ExecRequest, run: _Run, started: float) -> ExecOutcome:

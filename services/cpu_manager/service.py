@@ -10,6 +10,7 @@ finished-but-unacknowledged, which is what a restarted scheduler rebuilds from.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -38,6 +39,7 @@ from tangram.contract import (
     Inventory,
     Kill,
     NodeCommand,
+    NodeLeaving,
     NodeReport,
     Reconcile,
     RunningAction,
@@ -119,6 +121,9 @@ class CpuManager(Service):
         await self._flush_outbox()
         await self.backend.close()
         if self.bus is not None:
+            leaving = NodeLeaving(node_id=self.node_id, incarnation=self.incarnation)
+            with contextlib.suppress(TangramError):
+                await self.bus.request(subjects.SCHED_NODES, leaving, Ack, timeout=2.0)
             await self.bus.close()
 
     # ------------------------------------------------------------------ commands
@@ -128,6 +133,10 @@ class CpuManager(Service):
             raise InvalidRequest(f"stale scheduler epoch {cmd.epoch} < {self.epoch}")
         self.epoch = cmd.epoch
         match cmd:
+            case Dispatch(incarnation=inc) if inc and inc != self.incarnation:
+                raise InvalidRequest(
+                    f"dispatch meant for incarnation {inc}, not {self.incarnation}"
+                )
             case Dispatch():
                 self._start(cmd)
             case Kill(action_id=aid, reason=reason):

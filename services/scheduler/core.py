@@ -237,6 +237,13 @@ class SchedulerCore:
                 effects.append(self._end_env(env, "lost", f"node {node.node_id} died: {why}"))
         return effects
 
+    def node_leaving(self, node_id: str, incarnation: str, now: float) -> list[Effect]:
+        """A node agent shut down cleanly: stop sending it work at once."""
+        node = self.nodes.get(node_id)
+        if node is None or node.incarnation != incarnation:
+            return []
+        return self._node_lost(node, now, "node agent shut down")
+
     def env_expired(self, node_id: str, trajectory_id: str) -> list[Effect]:
         env = self.envs.get(trajectory_id)
         if env is None or env.node_id != node_id:

@@ -42,6 +42,7 @@ from tangram.contract import (
     Enqueue,
     EnvExpired,
     Kill,
+    NodeLeaving,
     NodeMessage,
     NodeReport,
     Reconcile,
@@ -154,6 +155,9 @@ class Scheduler(Service):
                 await self.apply(self.core.node_report(req, now))
             case EnvExpired(node_id=node_id, trajectory_id=tid):
                 await self.apply(self.core.env_expired(node_id, tid))
+            case NodeLeaving(node_id=node_id, incarnation=inc):
+                log.info("node %s (%s) is leaving", node_id, inc)
+                await self.apply(self.core.node_leaving(node_id, inc, now))
         self._dirty.set()
         return Ack()
 
@@ -176,7 +180,9 @@ class Scheduler(Service):
             match e:
                 case StartOnNode():
                     self.writer.enqueue(store.Started(e, self.clock()))
-                    cmd = Dispatch(action=e.action, cores=e.cores, epoch=self.epoch)
+                    cmd = Dispatch(
+                        action=e.action, cores=e.cores, epoch=self.epoch, incarnation=e.incarnation
+                    )
                     await self.bus.publish(subjects.node(e.node_id), cmd,
                                            traceparent=e.action.traceparent)  # fmt: skip
                 case Finish():

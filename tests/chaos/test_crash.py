@@ -85,9 +85,9 @@ async def test_scheduler_kill9_loses_nothing_and_runs_nothing_twice(own_mesh: Me
                                                                     tmp_path: Path):  # fmt: skip
     log = tmp_path / "ran.log"
     results = await run_through_crash(own_mesh, "scheduler", uid, log, n=60)
-    assert all(r.ok for r in results), collections.Counter(
-        (r.status, r.error.kind if r.error else None) for r in results
-    )
+    assert all(r.ok for r in results), [
+        (r.action_id, r.exit_code, r.stderr, r.error, r.attempt) for r in results if not r.ok
+    ]
     runs = collections.Counter(log.read_text().split())
     assert set(runs) == {r.action_id for r in results}
     assert max(runs.values()) == 1

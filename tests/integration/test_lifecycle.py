@@ -1,0 +1,76 @@
+"""Environment TTL, graceful drain on SIGTERM, and meshes that share a machine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tangram import ActionSpec, ErrorKind, ExecAction
+from tangram.client import Client
+from tangram.launcher import Mesh
+
+from ..conftest import mesh_options
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+async def ttl_mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
+    m = Mesh(mesh_options(tmp_path / "mesh", env={"TANGRAM_CPU_ENV_TTL_S": "0.5"}))
+    try:
+        await m.start()
+        yield m
+    finally:
+        await m.stop()
+
+
+async def test_idle_environment_expires_and_its_trajectory_is_told(ttl_mesh: Mesh, uid: str):
+    async with Client.connect(ttl_mesh.nats_url) as client:
+        first = await client.exec("echo state > f", trajectory_id=uid, job_id=uid)
+        assert first.ok
+        envs = ttl_mesh.opts.state_dir / "envs" / "node0"
+        for _ in range(50):
+            if not any(envs.iterdir()):
+                break
+            await asyncio.sleep(0.1)
+        assert not any(envs.iterdir()), "the idle environment was not removed"
+        await asyncio.sleep(0.3)  # the expiry reaches the scheduler
+        late = await client.exec("cat f", trajectory_id=uid, job_id=uid, wait_s=30)
+        assert late.status == "failed"
+        assert late.error is not None
+        assert late.error.kind is ErrorKind.ENVIRONMENT_LOST
+        assert "TTL" in late.error.message
+        await client.close_env(uid)  # closing resets the id: a fresh environment
+        fresh = await client.exec("echo again", trajectory_id=uid, job_id=uid, wait_s=30)
+        assert fresh.ok
+
+
+async def test_sigterm_drains_in_flight_actions(mesh: Mesh, uid: str):
+    async with Client.connect(mesh.nats_url) as client:
+        spec = ActionSpec(action_id=f"{uid}-drain", job_id=uid, trajectory_id=uid,
+                          action=ExecAction(command="sleep 1; echo finished"))  # fmt: skip
+        await client.submit(spec)
+        await asyncio.sleep(0.4)
+        rc = await mesh.stop_service("cpu_manager.0")
+        assert rc == 0
+        await mesh.start_service("cpu_manager", 0)
+        res = await client.result(spec.action_id, timeout=30)
+    assert res.ok
+    assert res.stdout == "finished\n"
+
+
+async def test_a_second_mesh_on_the_machine_leaves_the_first_ones_actions_alone(
+    mesh: Mesh, tmp_path: Path, uid: str
+):
+    async with Client.connect(mesh.nats_url) as client:
+        running = asyncio.ensure_future(
+            client.exec("sleep 1.5; echo survived", trajectory_id=uid, job_id=uid)
+        )
+        await asyncio.sleep(0.3)
+        async with Mesh(mesh_options(tmp_path / "other")):
+            res = await running
+    assert res.ok, res.error
+    assert res.stdout == "survived\n"
