@@ -34,7 +34,7 @@ def docker_config(cfg: CpuManagerConfig, incarnation: str) -> DockerConfig:
     return DockerConfig(
         root=str(cfg.env_root()), docker_host=cfg.docker_host, node_id=cfg.node_id,
         incarnation=incarnation, default_image=cfg.image, warm_pool=cfg.warm_pool,
-        max_envs=cfg.max_envs,
+        max_envs=cfg.max_envs, mounts=tuple(m for m in cfg.mounts.split(",") if m),
     )  # fmt: skip
 
 

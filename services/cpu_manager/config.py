@@ -25,6 +25,7 @@ class CpuManagerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     image: str = "tangram-sandbox:latest"  # default sandbox image of the docker backend
     warm_pool: int = 2  # pre-created containers per image (docker backend)
     max_envs: int = 64  # environments per node (docker backend)
+    mounts: str = ""  # extra binds for sandboxes, comma-separated HOST:CONTAINER[:ro|rw]
 
     def env_root(self) -> Path:
         return Path(self.state_dir).resolve() / "envs" / self.node_id
