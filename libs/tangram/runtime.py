@@ -12,8 +12,11 @@ import asyncio
 import enum
 import logging
 import signal
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tangram.config import MeshConfig
 
 log = logging.getLogger(__name__)
 
@@ -123,3 +126,22 @@ async def serve_forever(service: Service, grace_s: float) -> None:
     stop = asyncio.Event()
     install_signals(stop)
     await service.run(stop, grace_s)
+
+
+def main(name: str, build: Callable[[], tuple[MeshConfig, Service]]) -> None:
+    """Entry point of ``python -m services.NAME``: logging, tracing, uvloop, serve until told."""
+    import uvloop
+
+    from tangram import telemetry
+
+    setup_logging()
+
+    async def run() -> None:
+        mesh, service = build()
+        telemetry.setup(f"tangram-{name}", mesh.otel_endpoint)
+        try:
+            await serve_forever(service, mesh.drain_s)
+        finally:
+            telemetry.shutdown()
+
+    uvloop.run(run())

@@ -1,26 +1,17 @@
-"""Run the cpu_manager service (``python -m services.cpu_manager``), configured by env."""
+"""Run the cpu_manager service (``python -m services.cpu_manager``), configured by the environment."""
 
 from __future__ import annotations
 
-import uvloop
-
 from services.cpu_manager import config
 from services.cpu_manager.service import CpuManager
-from tangram import runtime, telemetry
+from tangram import runtime
+from tangram.config import MeshConfig
 
 
-async def main() -> None:
+def build() -> tuple[MeshConfig, CpuManager]:
     mesh, cfg = config.load()
-    telemetry.setup("tangram-cpu_manager", mesh.otel_endpoint)
-    try:
-        await runtime.serve_forever(CpuManager(mesh, cfg), mesh.drain_s)
-    finally:
-        telemetry.shutdown()
+    return mesh, CpuManager(mesh, cfg)
 
 
 if __name__ == "__main__":
-    runtime.setup_logging()
-    import asyncio
-    import os
-
-    (asyncio.run if os.environ.get("TG_LOOP") == "asyncio" else uvloop.run)(main())
+    runtime.main("cpu_manager", build)

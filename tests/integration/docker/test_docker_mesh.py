@@ -3,9 +3,9 @@ run through gateway -> scheduler -> cpu_manager in locked-down per-trajectory co
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 import shutil
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
