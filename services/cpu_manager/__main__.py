@@ -1,4 +1,4 @@
-"""Run the cpu_manager service (``python -m services.cpu_manager``), configured by the environment."""
+"""Run the cpu_manager service (``python -m services.cpu_manager``), configured by env."""
 
 from __future__ import annotations
 
