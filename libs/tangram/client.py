@@ -45,6 +45,7 @@ GATEWAY_TIMEOUT_S = 10.0
 MAX_RETRIES = 20
 EARLY_LIMIT = 100_000
 RECHECK_S = 30.0  # ask the gateway for a result not pushed within this (and on reconnect)
+POLL_MIN_S, POLL_MAX_S = 0.05, 1.0  # polling for results of other clients' actions
 
 
 class Client:
@@ -207,8 +208,14 @@ class Client:
         self, action_id: str, fut: asyncio.Future[ActionResult], wait_s: float | None,
         *, ask_first: bool,
     ) -> ActionResult:  # fmt: skip
+        """Wait for the push of a result; ask the gateway now and then.
+
+        For our own submissions the push is expected, so the gateway is asked rarely (and on
+        reconnect). For another client's action (``ask_first``) no push comes here: poll with
+        a short, growing interval.
+        """
         deadline = None if wait_s is None else time.monotonic() + wait_s
-        recheck = 0.0 if ask_first else RECHECK_S
+        recheck, cap = (0.0, POLL_MAX_S) if ask_first else (RECHECK_S, 4 * RECHECK_S)
         try:
             while True:
                 if recheck == 0.0 or not await _wait(fut, _slice(recheck, deadline)):
@@ -219,7 +226,7 @@ class Client:
                     return fut.result()
                 if deadline is not None and time.monotonic() >= deadline:
                     raise ResultTimeout(f"action {action_id} did not finish within {wait_s}s")
-                recheck = min(4 * RECHECK_S, max(RECHECK_S, recheck * 2))
+                recheck = min(cap, max(POLL_MIN_S, recheck * 2))
         finally:
             self._waiters.pop(action_id, None)
 
