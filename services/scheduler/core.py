@@ -108,6 +108,9 @@ class SchedulerCore:
         self.running: dict[str, Running] = {}
         self.recent: dict[str, None] = {}
         self.not_before = 0.0
+        self._views: dict[str, Waiting] = {}  # the policy's view of each queued action
+        # A policy that only admits what fits at minimum needs no view past the block.
+        self._lookahead = self.cfg.lookahead if getattr(self.policy, "lookahead", True) else 0
 
     # ------------------------------------------------------------------ intake
 
@@ -210,6 +213,7 @@ class SchedulerCore:
                now: float) -> list[Effect]:  # fmt: skip
         """A node runs an action we only knew as queued (its dispatch record was lost)."""
         action = self.queue.pop(aid, None)
+        self._views.pop(aid, None)
         if action is None or not set(cores) <= node.free:
             return [KillOnNode(node.node_id, aid, ErrorKind.INTERNAL)]
         action = msgspec.structs.replace(action, attempt=attempt)
@@ -281,6 +285,7 @@ class SchedulerCore:
         return self._finish(run.action, result)
 
     def _finish(self, action: UnifiedAction, result: ActionResult) -> list[Effect]:
+        self._views.pop(action.spec.action_id, None)
         self.recent[action.spec.action_id] = None
         if len(self.recent) > RECENT_LIMIT:
             del self.recent[next(iter(self.recent))]
@@ -386,7 +391,7 @@ class SchedulerCore:
         p.waiting.setdefault(node_id, []).append(act)
         if node_id in p.blocked:
             p.extra[node_id] = extra = p.extra.get(node_id, 0) + 1
-            if extra >= self.cfg.lookahead:
+            if extra >= self._lookahead:
                 p.full.add(node_id)
             return
         need = p.need.get(node_id, 0) + act.demands[0].min
@@ -448,13 +453,20 @@ class SchedulerCore:
         ))  # fmt: skip
 
     def _admit(self, node: Node, acts: list[UnifiedAction], now: float) -> list[Effect]:
-        waiting = [_waiting(a) for a in acts]
+        waiting = [self._view(a) for a in acts]
         busy = [_busy(aid, r) for aid, r in self.running.items() if r.node_id == node.node_id]
         grants = self.policy.arrange(waiting, len(node.free), node.capacity, busy, now)
         effects: list[Effect] = []
         for act, units in zip(acts, grants, strict=False):
             effects += self._start(node, act, units, now)
         return effects
+
+    def _view(self, act: UnifiedAction) -> Waiting:
+        aid = act.spec.action_id
+        view = self._views.get(aid)
+        if view is None:
+            view = self._views[aid] = _waiting(act)
+        return view
 
     def _start(self, node: Node, act: UnifiedAction, units: int, now: float) -> list[Effect]:
         effects: list[Effect] = []
@@ -468,6 +480,7 @@ class SchedulerCore:
         cores = pick_cores(node.free, node.numa, units)
         node.free -= set(cores)
         del self.queue[act.spec.action_id]
+        self._views.pop(act.spec.action_id, None)
         act = msgspec.structs.replace(act, attempt=act.attempt + 1)
         self.running[act.spec.action_id] = Running(act, node.node_id, node.incarnation, cores, now)
         effects.append(StartOnNode(node.node_id, act, cores, node.incarnation))

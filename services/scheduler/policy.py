@@ -80,6 +80,7 @@ class MinPolicy:
     """FCFS, every action gets its minimum: the baseline that any elastic policy must beat."""
 
     name = "min"
+    lookahead = False  # admits only what fits at minimum: the queue past the block is moot
 
     def arrange(
         self,
