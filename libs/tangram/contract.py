@@ -33,8 +33,8 @@ MemoryMb = Annotated[int, Meta(ge=1, le=16 * 1024 * 1024)]
 Subject = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_$.>*-]+$")]
 
 
-class _Msg(Struct, kw_only=True, omit_defaults=True, frozen=True):
-    """Base of every wire message."""
+class _Msg(Struct, kw_only=True, omit_defaults=True):
+    """Base of every wire message (treat as immutable: change with msgspec.structs.replace)."""
 
 
 # --------------------------------------------------------------------------- errors

@@ -16,7 +16,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from tangram.client import Client
@@ -78,7 +85,7 @@ def heredoc(path: str, body: str) -> str:
 
 
 async def trajectory(client: Client, job: str, t: int, opts: DemoOptions, done: Progress,
-                     task: int) -> list[tuple[str, ActionResult, float]]:  # fmt: skip
+                     task: TaskID) -> list[tuple[str, ActionResult, float]]:  # fmt: skip
     rng = random.Random(opts.seed * 1000 + t)
     tid = f"{job}-traj{t}"
     out: list[tuple[str, ActionResult, float]] = []

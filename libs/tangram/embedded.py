@@ -139,6 +139,7 @@ class EmbeddedPostgres:
         )
 
         entry = ensure_user_exists(PG_SYSTEM_USER)
+        assert entry is not None
         bins = self.bin_dir()
         ensure_prefix_permissions(bins)
         rx = stat.S_IRGRP | stat.S_IROTH | stat.S_IXGRP | stat.S_IXOTH

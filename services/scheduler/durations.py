@@ -76,7 +76,8 @@ class Table:
         pts = sorted(self.points, reverse=True)  # ascending in 1/m
         inv = np.array([1.0 / u for u, _ in pts])
         secs = np.array([s for _, s in pts])
-        return np.interp(1.0 / np.asarray(units, dtype=np.float64), inv, secs)
+        out: FloatArray = np.interp(1.0 / np.asarray(units, dtype=np.float64), inv, secs)
+        return out
 
 
 @dataclass(slots=True)

@@ -191,11 +191,11 @@ class Scheduler(Service):
                         await self.bus.publish(e.action.reply_subject, e.result,
                                                traceparent=e.action.traceparent)  # fmt: skip
                 case KillOnNode():
-                    cmd = Kill(action_id=e.action_id, epoch=self.epoch, reason=e.reason)
-                    await self.bus.publish(subjects.node(e.node_id), cmd)
+                    kill = Kill(action_id=e.action_id, epoch=self.epoch, reason=e.reason)
+                    await self.bus.publish(subjects.node(e.node_id), kill)
                 case DropEnvOnNode():
-                    cmd = DropEnv(trajectory_id=e.trajectory_id, epoch=self.epoch)
-                    await self.bus.publish(subjects.node(e.node_id), cmd)
+                    drop = DropEnv(trajectory_id=e.trajectory_id, epoch=self.epoch)
+                    await self.bus.publish(subjects.node(e.node_id), drop)
                 case EnvChanged():
                     self.writer.enqueue(e)
 

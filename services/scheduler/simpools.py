@@ -124,7 +124,7 @@ def unified(a: SimAction) -> UnifiedAction:
     spec = ActionSpec(
         action_id=a.action_id, job_id="sim", trajectory_id=a.trajectory_id,
         action=ExecAction(command="true"), profile=s.profile,
-        cpus=s.choices[0] if len(s.choices) == 1 else (s.choices[0], s.choices[-1]),
+        cpus=s.choices[0] if len(s.choices) == 1 else [s.choices[0], s.choices[-1]],
         duration=hint if s.hinted else None,
     )  # fmt: skip
     return UnifiedAction(
