@@ -26,7 +26,9 @@ up: setup  ## the whole mesh on this machine; Ctrl-C stops it
 docker-engine:  ## install a Docker engine if absent (the Docker tests start their own dockerd)
 	bash scripts/docker-engine.sh
 
-test: setup docker-engine  ## the whole test suite, against real NATS, Postgres and Docker
+test: setup docker-engine  ## lint, types, then the whole suite against real NATS, Postgres, Docker
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test-fast: setup  ## unit tests only

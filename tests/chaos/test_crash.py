@@ -107,3 +107,17 @@ async def test_node_agent_kill9_fails_in_flight_as_node_died_and_reruns_nothing(
     assert max(runs.values()) == 1
     ok_ids = {r.action_id for r in results if r.ok}
     assert ok_ids <= set(runs)
+
+
+async def test_broker_restart_mid_run_loses_nothing(own_mesh: Mesh, uid: str, tmp_path: Path):
+    log = tmp_path / "ran.log"
+    async with Client.connect(own_mesh.nats_url) as client:
+        todo = specs(uid, log, 40, trajectories=8, sleep="0.2")
+        await asyncio.gather(*(client.submit(s) for s in todo))
+        await asyncio.sleep(0.5)
+        await own_mesh.restart_nats()
+        results = await asyncio.gather(*(client.result(s.action_id, timeout=90) for s in todo))
+    assert all(r.ok for r in results), [(r.action_id, r.error) for r in results if not r.ok]
+    runs = collections.Counter(log.read_text().split())
+    assert max(runs.values()) == 1
+    assert set(runs) == {s.action_id for s in todo}
