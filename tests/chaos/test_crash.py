@@ -121,3 +121,24 @@ async def test_broker_restart_mid_run_loses_nothing(own_mesh: Mesh, uid: str, tm
     runs = collections.Counter(log.read_text().split())
     assert max(runs.values()) == 1
     assert set(runs) == {s.action_id for s in todo}
+
+
+async def test_postgres_kill9_mid_run_loses_nothing(own_mesh: Mesh, uid: str, tmp_path: Path):
+    log = tmp_path / "ran.log"
+    async with Client.connect(own_mesh.nats_url) as client:
+        todo = specs(uid, log, 40, trajectories=8, sleep="0.2")
+        await asyncio.gather(*(client.submit(s) for s in todo))
+        await asyncio.sleep(0.5)
+        await own_mesh.restart_postgres()
+        results = await asyncio.gather(*(client.result(s.action_id, timeout=90) for s in todo))
+    assert all(r.ok for r in results), [(r.action_id, r.error) for r in results if not r.ok]
+    runs = collections.Counter(log.read_text().split())
+    assert max(runs.values()) == 1
+    ids = [s.action_id for s in todo]
+    for _ in range(100):
+        statuses, terminal_events = await terminal_records(own_mesh.postgres_dsn, ids)
+        if len(terminal_events) == len(ids):
+            break
+        await asyncio.sleep(0.1)
+    assert set(statuses.values()) == {"succeeded"}
+    assert set(terminal_events.values()) == {1}
