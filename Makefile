@@ -23,8 +23,9 @@ demo: setup  ## an embedded mesh running a small AI-coding rollout
 up: setup  ## the whole mesh on this machine; Ctrl-C stops it
 	$(BIN)/tangram up
 
-docker-engine:  ## install a Docker engine if absent (the Docker tests start their own dockerd)
+docker-engine:  ## install a Docker engine and a compose tool if absent (tests start their own dockerd)
 	bash scripts/docker-engine.sh
+	bash scripts/compose-tool.sh
 
 test: setup docker-engine  ## lint, types, then the whole suite against real NATS, Postgres, Docker
 	$(BIN)/ruff check .
