@@ -1,0 +1,46 @@
+"""Formulation (§4.1): valid specs become cost vectors; invalid ones name their problem."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway.formulation import CPU, Limits, formulate
+from tangram.contract import ActionSpec, ExecAction
+from tangram.errors import InvalidRequest
+
+
+def spec(command: str | list[str] = "true", **kw: object) -> ActionSpec:
+    env = kw.pop("env", {})
+    return ActionSpec(action_id="a", job_id="j", trajectory_id="t",
+                      action=ExecAction(command=command, env=env), **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_cost_vector_ranges_and_key_resource():
+    act = formulate(spec(cpus=[2, 5], memory_mb=300), now=7.0, limits=Limits(),
+                    reply_subject="r", traceparent="tp")  # fmt: skip
+    assert act.key_resource == CPU
+    assert act.demands[0].choices == (2, 3, 4, 5)
+    assert (act.demands[0].min, act.demands[0].max) == (2, 5)
+    assert act.env_memory_mb == 300
+    assert (act.submitted_at, act.reply_subject, act.traceparent) == (7.0, "r", "tp")
+    assert formulate(spec(cpus=3), now=0, limits=Limits()).demands[0].choices == (3,)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"command": ""}, "empty command"),
+        ({"command": "   "}, "empty command"),
+        ({"command": []}, "empty command"),
+        ({"command": [""]}, "empty command"),
+        ({"command": "echo \x00"}, "NUL"),
+        ({"cpus": [4, 2]}, "min > max"),
+        ({"cpus": 9}, "limit of 8 cores"),
+        ({"memory_mb": 5000}, "limit of 4096 MiB"),
+        ({"env": {"A=B": "1"}}, "A=B"),
+        ({"env": {"": "1"}}, "environment variable"),
+    ],
+)
+def test_invalid_specs_name_the_problem(kw: dict, message: str):
+    with pytest.raises(InvalidRequest, match=message):
+        formulate(spec(**kw), now=0, limits=Limits(max_cpus=8, max_memory_mb=4096))

@@ -1,0 +1,63 @@
+"""How a backend's outcome becomes the client's result: whose fault, which kind."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.cpu_manager.backend import EnvFailure, ExecOutcome
+from services.cpu_manager.outcome import to_result
+from services.gateway.formulation import Limits, formulate
+from tangram.contract import ActionSpec, ErrorKind, ExecAction
+
+ACTION = formulate(ActionSpec(action_id="a", job_id="j", trajectory_id="t",
+                              action=ExecAction(command="x")), now=1.0, limits=Limits())  # fmt: skip
+
+
+def outcome(code: int | None, failure: EnvFailure | None = None) -> ExecOutcome:
+    return ExecOutcome(code, b"out\xff", b"", True, False, 2.0, 3.5, failure, "why")
+
+
+def test_success_and_own_failure():
+    ok = to_result(ACTION, outcome(0), None, "n0", (3,))
+    assert (ok.status, ok.error, ok.stdout, ok.stdout_truncated) == (
+        "succeeded",
+        None,
+        "out\ufffd",
+        True,
+    )
+    assert ok.allocation is not None
+    assert ok.allocation.cores == (3,)
+    assert ok.timings is not None
+    assert ok.timings.exec_s == pytest.approx(1.5)
+    bad = to_result(ACTION, outcome(2), None, "n0", (3,))
+    assert bad.status == "failed"
+    assert bad.error is not None
+    assert bad.error.kind is ErrorKind.COMMAND_FAILED
+    assert not bad.infrastructure_failure
+
+
+@pytest.mark.parametrize(
+    ("failure", "kind"),
+    [
+        (EnvFailure.EXEC_TIMEOUT, ErrorKind.EXEC_TIMEOUT),
+        (EnvFailure.OOM_KILLED, ErrorKind.OOM_KILLED),
+        (EnvFailure.ENVIRONMENT_LOST, ErrorKind.ENVIRONMENT_LOST),
+        (EnvFailure.BACKEND_DOWN, ErrorKind.BACKEND_UNAVAILABLE),
+        (EnvFailure.IMAGE_MISSING, ErrorKind.IMAGE_MISSING),
+        (EnvFailure.INTERNAL, ErrorKind.INTERNAL),
+    ],
+)
+def test_infrastructure_failures_are_masked(failure: EnvFailure, kind: ErrorKind):
+    res = to_result(ACTION, outcome(None, failure), None, "n0", (0,))
+    assert res.status == "failed"
+    assert res.error is not None
+    assert res.error.kind is kind
+    assert res.infrastructure_failure
+
+
+def test_a_kill_on_request_reports_its_reason():
+    res = to_result(ACTION, outcome(-9, EnvFailure.KILLED), ErrorKind.CANCELLED, "n0", (0,))
+    assert res.status == "cancelled"
+    died = to_result(ACTION, outcome(-9, EnvFailure.KILLED), ErrorKind.NODE_DIED, "n0", (0,))
+    assert died.error is not None
+    assert died.error.kind is ErrorKind.NODE_DIED

@@ -1,0 +1,291 @@
+"""The scheduler's pure core: allocation bookkeeping, FCFS pools, failures and restarts."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.gateway.formulation import Limits, formulate
+from services.scheduler.core import CoreConfig, Env, SchedulerCore
+from services.scheduler.cores import pick_cores
+from services.scheduler.effects import (
+    DropEnvOnNode,
+    EnvChanged,
+    Finish,
+    KillOnNode,
+    StartOnNode,
+)
+from tangram.contract import (
+    ActionResult,
+    ActionSpec,
+    ErrorKind,
+    ExecAction,
+    Inventory,
+    NodeReport,
+    NumaCores,
+    RunningAction,
+    Timings,
+    UnifiedAction,
+)
+
+
+def action(aid: str, tid: str, cpus: int | list[int] = 1, mem: int = 100, now: float = 0.0,
+           queue_timeout_s: float | None = None) -> UnifiedAction:  # fmt: skip
+    spec = ActionSpec(action_id=aid, job_id="j", trajectory_id=tid, cpus=cpus, memory_mb=mem,
+                      action=ExecAction(command="true"), queue_timeout_s=queue_timeout_s)  # fmt: skip
+    return formulate(spec, now=now, limits=Limits())
+
+
+def report(node: str = "n0", inc: str = "i0", cores: int = 4, numa: int = 1, mem: int = 1000,
+           running: tuple[RunningAction, ...] = ()) -> NodeReport:  # fmt: skip
+    per = cores // numa
+    layout = tuple(NumaCores(numa_node=k, cores=tuple(range(k * per, (k + 1) * per)))
+                   for k in range(numa))  # fmt: skip
+    inv = Inventory(numa=layout, memory_mb=mem, backend="process", isolates=False)
+    return NodeReport(node_id=node, incarnation=inc, inventory=inv, running=running, full=True)
+
+
+def done(run: StartOnNode, code: int = 0) -> ActionResult:
+    return ActionResult(action_id=run.action.spec.action_id, status="succeeded" if code == 0
+                        else "failed", exit_code=code, timings=Timings(submitted_at=0.0,
+                        started_at=1.0, finished_at=2.0))  # fmt: skip
+
+
+def starts(effects: list) -> list[StartOnNode]:
+    return [e for e in effects if isinstance(e, StartOnNode)]
+
+
+def finishes(effects: list) -> dict[str, ActionResult]:
+    return {e.result.action_id: e.result for e in effects if isinstance(e, Finish)}
+
+
+def core_with(*reports: NodeReport, **cfg: float) -> SchedulerCore:
+    core = SchedulerCore(cfg=CoreConfig(**cfg))  # type: ignore[arg-type]
+    for r in reports:
+        core.node_report(r, 0.0)
+    return core
+
+
+def test_fcfs_min_grants_and_exact_cores():
+    core = core_with(report(cores=2))
+    for i in range(3):
+        core.enqueue(action(f"a{i}", f"t{i}"), 0.0)
+    first = starts(core.schedule(1.0))
+    assert [s.action.spec.action_id for s in first] == ["a0", "a1"]
+    assert {c for s in first for c in s.cores} == {0, 1}
+    assert all(s.action.attempt == 1 for s in first)
+    effects = core.complete("n0", "i0", 1, done(first[0]), 2.0)
+    assert "a0" in finishes(effects)
+    nxt = starts(core.schedule(2.0))
+    assert [s.action.spec.action_id for s in nxt] == ["a2"]
+    assert nxt[0].cores == first[0].cores
+
+
+def test_duplicate_enqueue_and_stale_completions_change_nothing():
+    core = core_with(report(cores=2))
+    core.enqueue(action("a", "t"), 0.0)
+    core.enqueue(action("a", "t"), 0.0)
+    (run,) = starts(core.schedule(0.0))
+    core.enqueue(action("a", "t"), 0.0)  # running: still a duplicate
+    assert core.complete("n0", "i0", 2, done(run), 1.0) == []  # wrong attempt
+    assert core.complete("n1", "i0", 1, done(run), 1.0) == []  # wrong node
+    assert "a" in finishes(core.complete("n0", "i0", 1, done(run), 1.0))
+    assert core.complete("n0", "i0", 1, done(run), 1.0) == []  # duplicate
+    core.enqueue(action("a", "t"), 2.0)  # after it finished: remembered, not run again
+    assert starts(core.schedule(2.0)) == []
+
+
+def test_a_trajectory_stays_on_its_node_and_new_ones_balance_memory():
+    core = core_with(report("n0", cores=4, mem=1000), report("n1", cores=4, mem=1000))
+    core.enqueue(action("a0", "t0", mem=600), 0.0)
+    core.enqueue(action("a1", "t1", mem=100), 0.0)
+    placed = {s.action.spec.trajectory_id: s.node_id for s in starts(core.schedule(0.0))}
+    assert placed["t0"] != placed["t1"]  # the second goes to the emptier node
+    for i in range(3):
+        core.enqueue(action(f"b{i}", "t0"), 0.0)
+    again = starts(core.schedule(0.0))
+    assert {s.node_id for s in again} == {placed["t0"]}
+
+
+def test_env_memory_is_reserved_for_the_trajectory_and_released_on_close():
+    core = core_with(report(cores=4, mem=300))
+    core.enqueue(action("a", "t1", mem=200), 0.0)
+    core.enqueue(action("b", "t2", mem=200), 0.0)
+    (run,) = starts(core.schedule(0.0))
+    assert run.action.spec.trajectory_id == "t1"
+    core.complete("n0", "i0", 1, done(run), 1.0)
+    assert starts(core.schedule(1.0)) == []  # t1 still holds its memory while idle
+    effects = core.close_env("t1", 2.0)
+    assert DropEnvOnNode("n0", "t1") in effects
+    assert any(isinstance(e, EnvChanged) and e.status == "closed" for e in effects)
+    assert [s.action.spec.trajectory_id for s in starts(core.schedule(2.0))] == ["t2"]
+
+
+def test_close_env_cancels_queued_and_kills_running():
+    core = core_with(report(cores=1))
+    core.enqueue(action("a", "t"), 0.0)
+    core.enqueue(action("b", "t"), 0.0)
+    starts(core.schedule(0.0))
+    effects = core.close_env("t", 1.0)
+    assert finishes(effects)["b"].status == "cancelled"
+    assert KillOnNode("n0", "a", ErrorKind.CANCELLED) in effects
+
+
+def test_cancel_queued_and_running():
+    core = core_with(report(cores=1))
+    core.enqueue(action("a", "t"), 0.0)
+    core.enqueue(action("b", "u"), 0.0)
+    starts(core.schedule(0.0))
+    assert finishes(core.cancel("b", 1.0))["b"].error.kind is ErrorKind.CANCELLED  # type: ignore[union-attr]
+    assert core.cancel("a", 1.0) == [KillOnNode("n0", "a", ErrorKind.CANCELLED)]
+
+
+def test_silent_node_fails_its_actions_and_loses_its_envs():
+    core = core_with(report(cores=2), node_timeout_s=5.0)
+    core.enqueue(action("a", "t"), 0.0)
+    starts(core.schedule(0.0))
+    core.enqueue(action("b", "t"), 1.0)
+    effects = core.tick(10.0)
+    res = finishes(effects)["a"]
+    assert res.error is not None
+    assert res.error.kind is ErrorKind.NODE_DIED
+    assert any(isinstance(e, EnvChanged) and e.status == "lost" for e in effects)
+    core.node_report(report(inc="i1"), 11.0)
+    lost = finishes(core.schedule(11.0))["b"]
+    assert lost.error is not None
+    assert lost.error.kind is ErrorKind.ENVIRONMENT_LOST
+
+
+def test_new_incarnation_means_the_old_one_died():
+    core = core_with(report(cores=2))
+    core.enqueue(action("a", "t"), 0.0)
+    starts(core.schedule(0.0))
+    effects = core.node_report(report(inc="i1", cores=2), 1.0)
+    assert finishes(effects)["a"].error.kind is ErrorKind.NODE_DIED  # type: ignore[union-attr]
+    assert core.nodes["n0"].incarnation == "i1"
+    assert len(core.nodes["n0"].free) == 2
+
+
+def test_queue_timeout_and_impossible_actions_fail_fast():
+    core = core_with(report(cores=2, mem=1000))
+    core.enqueue(action("big", "t0", cpus=8), 0.0)
+    core.enqueue(action("fat", "t1", mem=5000), 0.0)
+    failed = finishes(core.schedule(0.0))
+    assert failed["big"].error.kind is ErrorKind.INVALID_REQUEST  # type: ignore[union-attr]
+    assert "no node can hold it" in failed["fat"].error.message  # type: ignore[union-attr]
+    core.enqueue(action("x", "t2", cpus=2), 0.0)
+    core.enqueue(action("y", "t3", queue_timeout_s=1.0), 0.0)
+    starts(core.schedule(0.0))
+    res = finishes(core.tick(2.0))["y"]
+    assert res.error.kind is ErrorKind.QUEUE_TIMEOUT  # type: ignore[union-attr]
+
+
+def test_a_new_trajectory_is_not_starved_by_busy_old_ones():
+    core = core_with(report(cores=2, mem=1000))
+    core.enqueue(action("a", "old"), 0.0)
+    core.enqueue(action("b", "old"), 0.0)
+    runs = starts(core.schedule(0.0))
+    core.enqueue(action("new", "fresh", cpus=2), 1.0)
+    core.enqueue(action("c", "old"), 1.1)
+    core.complete("n0", "i0", 1, done(runs[0]), 2.0)
+    assert starts(core.schedule(2.0)) == []  # 'c' must not take the core 'new' waits for
+    core.complete("n0", "i0", 1, done(runs[1]), 3.0)
+    assert [s.action.spec.action_id for s in starts(core.schedule(3.0))] == ["new"]
+
+
+def test_restart_adopts_what_nodes_report_and_redoes_what_they_never_got():
+    core = SchedulerCore()
+    a, b = action("a", "t"), action("b", "u")
+    core.restore_env(Env("t", "j", "n0", "i0", 100))
+    core.restore_env(Env("u", "j", "n0", "i0", 100))
+    core.restore_running(msgspec.structs.replace(a, attempt=1), "n0", "i0", (0,), 0.0)
+    core.restore_running(msgspec.structs.replace(b, attempt=1), "n0", "i0", (1,), 0.0)
+    core.hold_until(1.0)
+    assert core.schedule(0.5) == []
+    seen = RunningAction(action_id="a", attempt=1, trajectory_id="t", cores=(0,))
+    core.node_report(report(cores=2, running=(seen,)), 0.6)
+    assert core.running["a"].confirmed
+    assert "b" in core.queue
+    (redo,) = starts(core.schedule(1.0))
+    assert redo.action.spec.action_id == "b"
+    assert redo.action.attempt == 2
+    assert redo.cores == (1,)
+
+
+def test_restored_actions_whose_node_never_returns_end_as_node_died():
+    core = SchedulerCore(cfg=CoreConfig(node_timeout_s=2.0))
+    core.restore_running(msgspec.structs.replace(action("a", "t"), attempt=1), "gone", "i0",
+                         (0,), 0.0)  # fmt: skip
+    core.hold_until(1.0)
+    assert finishes(core.tick(1.5)) == {}
+    assert finishes(core.tick(3.5))["a"].error.kind is ErrorKind.NODE_DIED  # type: ignore[union-attr]
+
+
+def test_a_node_running_an_action_we_only_knew_as_queued_is_adopted():
+    core = core_with(report(cores=2))
+    core.enqueue(action("a", "t"), 0.0)
+    seen = RunningAction(action_id="a", attempt=3, trajectory_id="t", cores=(1,))
+    core.node_report(report(cores=2, running=(seen,)), 0.1)
+    assert core.running["a"].action.attempt == 3
+    assert core.nodes["n0"].free == {0}
+
+
+def test_numa_local_best_fit():
+    numa = {0: (0, 1, 2, 3), 1: (4, 5, 6, 7)}
+    assert pick_cores({0, 1, 2, 3, 4, 5}, numa, 2) == (4, 5)  # the tighter NUMA node
+    assert pick_cores({0, 1, 2, 3, 4, 5}, numa, 4) == (0, 1, 2, 3)
+    assert pick_cores({0, 1, 4, 5, 6}, numa, 4) == (0, 4, 5, 6)  # spans as few as it can
+    with pytest.raises(ValueError, match="asked for"):
+        pick_cores({0}, numa, 2)
+
+
+events = st.lists(
+    st.tuples(
+        st.sampled_from(["submit", "complete", "tick", "cancel", "close"]),
+        st.integers(0, 30),
+        st.integers(1, 3),
+    ),  # fmt: skip
+    max_size=80,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(events)
+def test_cores_are_never_double_allocated_and_every_grant_is_allowed(evs):
+    core = core_with(report("n0", cores=4, numa=2, mem=10_000), report("n1", cores=3, mem=10_000))
+    running: dict[str, StartOnNode] = {}
+    now = 0.0
+    for kind, n, cpus in evs:
+        now += 0.1
+        effects: list = []
+        if kind == "submit":
+            effects += core.enqueue(action(f"a{n}-{now}", f"t{n % 5}", cpus=[1, cpus]), now)
+        elif kind == "complete" and running:
+            run = running.pop(sorted(running)[n % len(running)])
+            effects += core.complete(run.node_id, run.incarnation, run.action.attempt,
+                                     done(run), now)  # fmt: skip
+        elif kind == "cancel" and core.queue:
+            effects += core.cancel(sorted(core.queue)[n % len(core.queue)], now)
+        elif kind == "close":
+            effects += core.close_env(f"t{n % 5}", now)
+            running = {k: v for k, v in running.items()
+                       if v.action.spec.trajectory_id != f"t{n % 5}"}  # fmt: skip
+            for aid in [a for a, r in core.running.items()
+                        if r.action.spec.trajectory_id == f"t{n % 5}"]:  # fmt: skip
+                r = core.running[aid]
+                core.complete(r.node_id, r.incarnation, r.action.attempt,
+                              ActionResult(action_id=aid, status="cancelled"), now)  # fmt: skip
+        effects += core.schedule(now)
+        for s in starts(effects):
+            assert len(s.cores) in s.action.demands[0].choices
+            running[s.action.spec.action_id] = s
+        for node in core.nodes.values():
+            held = [c for r in core.running.values() if r.node_id == node.node_id for c in r.cores]
+            assert len(held) == len(set(held)), "a core was granted twice"
+            assert set(held) | node.free == {c for cs in node.numa.values() for c in cs}
+            assert not set(held) & node.free
+        envs_by_traj = {tid: env.node_id for tid, env in core.envs.items()}
+        for r in core.running.values():
+            assert envs_by_traj[r.action.spec.trajectory_id] == r.node_id
