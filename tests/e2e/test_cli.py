@@ -65,3 +65,42 @@ def test_up_writes_mesh_json_and_exec_runs_an_action(tmp_path: Path):
         rest, _ = up.communicate(timeout=60)
     assert up.returncode == 0, rest
     assert "stopping" in rest
+
+
+@pytest.mark.slow
+async def test_service_runs_one_service_against_given_servers(tmp_path: Path):
+    import asyncio
+
+    from tangram import subjects
+    from tangram.bus import Bus
+    from tangram.contract import GatewayReply, GetResult
+    from tangram.embedded import EmbeddedNats, EmbeddedPostgres
+    from tangram.errors import NotFound
+
+    nats_srv = await asyncio.to_thread(EmbeddedNats(tmp_path / "nats").start)
+    pg = await asyncio.to_thread(EmbeddedPostgres(tmp_path / "pg", fsync=False).start)
+    proc = await asyncio.create_subprocess_exec(
+        *TANGRAM, "service", "gateway", "--nats", nats_srv.url, "--postgres", pg.dsn,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    bus = await Bus.connect(nats_srv.url, "test")
+    try:
+        for _ in range(100):
+            try:
+                await bus.request(subjects.GATEWAY, GetResult(action_id="nope"), GatewayReply,
+                                  timeout=0.5)  # fmt: skip
+            except NotFound:
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the gateway never answered")
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        await bus.close()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await asyncio.to_thread(pg.stop)
+        await asyncio.to_thread(nats_srv.stop)
