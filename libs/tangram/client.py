@@ -106,12 +106,16 @@ class Client:
         profile: str = "",
         parallel_fraction: float | None = None,
         output_cap_bytes: int = 64 * 1024,
+        image: str = "",
+        network: bool = False,
         wait_s: float | None = None,
     ) -> ActionResult:
         """Run a command in the trajectory's environment and return its result.
 
         A ``str`` runs under ``sh -c``; a list is an argv. ``cpus`` is a core count or an
         inclusive ``(min, max)`` range for elastic commands (``{dop}`` becomes the grant).
+        ``image`` and ``network`` shape the trajectory's environment when its first action
+        creates it (Docker backend).
         """
         spec = ActionSpec(
             action_id=action_id or self.new_action_id(),
@@ -127,6 +131,8 @@ class Client:
             timeout_s=timeout_s,
             queue_timeout_s=queue_timeout_s,
             profile=profile,
+            image=image,
+            network=network,
             duration=DurationHint(parallel_fraction=parallel_fraction)
             if parallel_fraction is not None
             else None,
