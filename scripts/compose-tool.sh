@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# Make sure a compose tool exists (`docker compose` or Debian's `docker-compose`) to validate
-# compose/docker-compose.yml. Idempotent; installs nothing when one is present.
+# Make sure a compose tool works (`docker compose` v2 plugin or Debian's `docker-compose`), enough
+# to validate compose/docker-compose.yml with `config` (no Docker engine needed for that).
+# Idempotent and non-interactive; installs nothing when one already works.
 set -euo pipefail
-if docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null 2>&1; then
+
+have_tool() {
+    docker compose version >/dev/null 2>&1 || docker-compose version >/dev/null 2>&1
+}
+
+if have_tool; then
     exit 0
 fi
 if ! command -v apt-get >/dev/null 2>&1; then
@@ -10,7 +16,13 @@ if ! command -v apt-get >/dev/null 2>&1; then
     exit 1
 fi
 SUDO=""
-[ "$(id -u)" -ne 0 ] && SUDO="sudo"
+if [ "$(id -u)" -ne 0 ]; then
+    SUDO="sudo"
+fi
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -q
 $SUDO apt-get install -y -q --no-install-recommends docker-compose
+if ! have_tool; then
+    echo "compose-tool.sh: docker-compose was installed but does not run" >&2
+    exit 1
+fi

@@ -228,16 +228,20 @@ class GreedyTable:
     optimal for a separable convex objective under one sum constraint, at O(m·w) numpy cost."""
 
     def __init__(self, capacity: int, tasks: Sequence[Task]) -> None:
-        width = max(int(t.choices.size) for t in tasks)
-        gains = np.full((len(tasks), max(width - 1, 1)), -INF)
-        for i, t in enumerate(tasks):
-            if t.choices.size > 1:
-                gains[i, : t.choices.size - 1] = -np.diff(t.durations)
-        mins = np.array([int(t.choices[0]) for t in tasks], dtype=np.int64)
-        self._base = np.array([float(t.durations[0]) for t in tasks])
+        sizes = np.array([t.choices.size for t in tasks], dtype=np.int64)
+        durs = np.concatenate([t.durations for t in tasks])
+        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        row = np.repeat(np.arange(len(tasks), dtype=np.int64), sizes)
+        pos = np.arange(durs.size, dtype=np.int64) - starts[row]
+        step = pos[1:] > 0  # durs[j + 1] and durs[j] belong to the same task
+        gains = np.full((len(tasks), max(int(sizes.max()) - 1, 1)), -INF)
+        gains[row[1:][step], pos[1:][step] - 1] = -np.diff(durs)[step]
+        mins = np.concatenate([t.choices[:1] for t in tasks]).astype(np.int64)
+        self._base = durs[starts]
         self._mins = mins
         self._gains = gains
         self._slack = capacity - np.concatenate(([0], np.cumsum(mins)))
+        self._memo: dict[int, tuple[IntArray, FloatArray]] = {}
 
     def objective(self, t: int) -> float:
         if self._slack[t] < 0:
@@ -247,9 +251,17 @@ class GreedyTable:
     def allocation(self, t: int) -> tuple[int, ...]:
         rows, _ = self._picked(t)
         extra = np.bincount(rows, minlength=t)[:t] if t else np.zeros(0, dtype=np.int64)
-        return tuple(int(x) for x in self._mins[:t] + extra)
+        return tuple((self._mins[:t] + extra).tolist())
 
     def _picked(self, t: int) -> tuple[IntArray, FloatArray]:
+        """The increments the greedy takes for the first t tasks (memoized: the eviction loop
+        asks for the objective and then the allocation of the same prefix)."""
+        hit = self._memo.get(t)
+        if hit is None:
+            hit = self._memo[t] = self._pick(t)
+        return hit
+
+    def _pick(self, t: int) -> tuple[IntArray, FloatArray]:
         flat = self._gains[:t].ravel()
         budget = int(min(self._slack[t], np.count_nonzero(flat > 0.0)))
         if budget <= 0:
@@ -272,9 +284,16 @@ def greedy_applies(tasks: Sequence[Task]) -> bool:
     return True
 
 
-def prefix_table(op: DpOperator, tasks: Sequence[Task]) -> PrefixTable:
-    """The prefix optima, by the exact greedy when it applies and by the DP otherwise."""
-    if isinstance(op, BasicOperator) and tasks and greedy_applies(tasks):
+def prefix_table(
+    op: DpOperator, tasks: Sequence[Task], convex: bool | None = None
+) -> PrefixTable:
+    """The prefix optima, by the exact greedy when it applies and by the DP otherwise.
+
+    ``convex`` is ``greedy_applies(tasks)`` when the caller already knows it (cached per row).
+    """
+    if convex is None:
+        convex = greedy_applies(tasks)
+    if isinstance(op, BasicOperator) and tasks and convex:
         return GreedyTable(op.capacity, tasks)
     return DpTable(op, tasks)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
@@ -22,6 +22,7 @@ from services.scheduler.dparrange import (
     PrefixTable,
     Task,
     chunk_level,
+    greedy_applies,
     prefix_table,
     take_chunk,
 )
@@ -33,18 +34,19 @@ DEFAULT_DURATION_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One queued action as the objective sees it: its task (allowed units, durations)."""
+    """One queued action as the objective sees it: its task (allowed units, durations), plus the
+    facts every decision reads, computed once per row (hinted rows are cached across decisions)."""
 
     task: Task
     elastic: bool
+    min_units: int = field(init=False)
+    min_duration: float = field(init=False)
+    convex: bool = field(init=False)  # the exact greedy of ``GreedyTable`` holds for this task
 
-    @property
-    def min_units(self) -> int:
-        return int(self.task.choices[0])
-
-    @property
-    def min_duration(self) -> float:
-        return float(self.task.durations[0])
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "min_units", int(self.task.choices[0]))
+        object.__setattr__(self, "min_duration", float(self.task.durations[0]))
+        object.__setattr__(self, "convex", greedy_applies((self.task,)))
 
 
 def make_row(w: Waiting, learner: DurationLearner | None, default_s: float) -> Row:
@@ -107,27 +109,45 @@ def estimate(
     minimum as units come back; the first one also tries ``depth`` of its allowed amounts.
 
     Units-aware: an action starts when enough units are free, not when any one action ends.
+    Only the multiset of ``heap`` matters (ties pop by units), so any valid heap of it will do.
     """
     best = float("inf")
+    push, pop = heapq.heappush, heapq.heappop
     for units0, dur0 in first:
-        h = list(heap)
-        obj, t, f = 0.0, now, free
-        for need, dur in ((units0, dur0), *rest):
-            while f < need and h:
-                end, back = heapq.heappop(h)
-                t, f = max(t, end), f + back
-            t_end = t + dur
-            heapq.heappush(h, (t_end, need))
-            f -= need
-            obj += t_end
-            if obj >= best:
-                break
+        h = heap[:]
+        t, f = now, free
+        while f < units0 and h:
+            end, back = pop(h)
+            f += back
+            if end > t:
+                t = end
+        obj = t + dur0
+        push(h, (obj, units0))
+        f -= units0
+        if obj < best:
+            for need, dur in rest:
+                while f < need and h:
+                    end, back = pop(h)
+                    f += back
+                    if end > t:
+                        t = end
+                t_end = t + dur
+                push(h, (t_end, -need if need == 2 else need))
+                f -= need
+                obj += t_end
+                if obj >= best:
+                    break
         best = min(best, obj)
     return best if first else 0.0
 
 
 class Objective:
-    """Algorithm 2's ``getApproximatedObjective`` for the FCFS prefixes of the candidates."""
+    """Algorithm 2's ``getApproximatedObjective`` for the FCFS prefixes of the candidates.
+
+    Built once per decision: the durations of every candidate's allowed amounts lie in one flat
+    array keyed by ``row * stride + units`` (sorted), so a prefix's completion times are one
+    vectorized lookup; the running actions' releases are already a heap (sorted).
+    """
 
     def __init__(
         self,
@@ -140,8 +160,16 @@ class Objective:
         depth: int,
     ) -> None:
         self._rows, self._n, self._table = rows, n_candidates, table
-        self._free, self._releases, self._now, self._depth = free, releases, now, depth
+        self._free, self._now, self._depth = free, now, depth
         self._mins = [(r.min_units, r.min_duration) for r in rows]
+        self._released = list(zip(releases.ends, releases.units, strict=True))
+        tasks = [r.task for r in rows[:n_candidates]]
+        units = np.concatenate([t.choices for t in tasks]) if tasks else np.zeros(0, np.int64)
+        self._stride = int(units.max()) + 1 if units.size else 1
+        self._offsets = np.arange(len(tasks), dtype=np.int64) * self._stride
+        sizes = [t.choices.size for t in tasks]
+        self._keys = np.repeat(self._offsets, sizes) + units
+        self._durs = np.concatenate([t.durations for t in tasks]) if tasks else np.zeros(0)
 
     def __call__(self, t: int) -> float:
         """Exact ACT part for the first t candidates plus the estimate for all behind them."""
@@ -149,19 +177,24 @@ class Objective:
         if not np.isfinite(exact):
             return exact
         alloc = self._table.allocation(t)
-        heap = list(zip(self._releases.ends, self._releases.units, strict=True))
-        for row, units in zip(self._rows[:t], alloc, strict=True):
-            dur = float(row.task.durations[np.searchsorted(row.task.choices, units)])
-            heap.append((self._now + dur, units))
+        heap = self._released + list(zip(self._ends(alloc), alloc, strict=True))
         heapq.heapify(heap)
-        rest = self._rows[t:]
-        if not rest:
+        if t >= len(self._rows):
             return t * self._now + exact
-        head = rest[0].task
+        head = self._rows[t].task
         pick = spread(head.choices.size, self._depth)
         first = list(zip(head.choices[pick].tolist(), head.durations[pick].tolist(), strict=True))
-        tail = estimate(self._now, self._free - sum(alloc), heap, first, self._mins[t + 1 :])
+        rest = self._mins[t + 1 :]
+        tail = estimate(self._now, self._free - sum(alloc), heap, first, rest)
         return t * self._now + exact + tail
+
+    def _ends(self, alloc: tuple[int, ...]) -> list[float]:
+        """Completion times of the first len(alloc) candidates at the given units."""
+        if not alloc:
+            return []
+        want = self._offsets[: len(alloc)] + np.asarray(alloc, dtype=np.int64)
+        ends: list[float] = (self._now + self._durs[self._keys.searchsorted(want)]).tolist()
+        return ends
 
 
 def spread(n_choices: int, depth: int) -> list[int]:
@@ -248,7 +281,8 @@ class ElasticPolicy:
         rows = [make_row(w, self.learner, self.default_s) for w in waiting[: n + self.horizon]]
         if not any(r.elastic for r in rows[:n]):
             return [r.min_units for r in rows[:n]]  # Alg. 1 lines 6-7: nothing to scale
-        table = prefix_table(op, [r.task for r in rows[:n]])
+        cands = rows[:n]
+        table = prefix_table(op, [r.task for r in cands], all(r.convex for r in cands))
         releases = releases_of(running, now, self.learner, self.default_s)
         objective = Objective(rows, n, table, free, releases, now, self.depth)
         keep = 0 if running else 1

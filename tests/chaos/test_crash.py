@@ -58,6 +58,17 @@ async def terminal_records(dsn: str, ids: list[str]) -> tuple[dict[str, str], di
     return {r["action_id"]: r["status"] for r in rows}, {r["action_id"]: r["n"] for r in events}
 
 
+async def settled(dsn: str, ids: list[str]) -> tuple[dict[str, str], dict[str, int]]:
+    """Records once every action has its terminal event (results are pushed as actions end;
+    their records commit moments later)."""
+    for _ in range(100):
+        statuses, terminal_events = await terminal_records(dsn, ids)
+        if len(terminal_events) == len(ids):
+            break
+        await asyncio.sleep(0.1)
+    return statuses, terminal_events
+
+
 async def run_through_crash(mesh: Mesh, victim: str, uid: str, log: Path, n: int) -> list:
     async with Client.connect(mesh.nats_url) as client:
         todo = specs(uid, log, n, trajectories=8, sleep="0.2")
@@ -69,12 +80,7 @@ async def run_through_crash(mesh: Mesh, victim: str, uid: str, log: Path, n: int
         name, _, index = victim.partition(".")
         await mesh.start_service(name, int(index or 0))
         results = await asyncio.gather(*(client.result(s.action_id, timeout=90) for s in todo))
-    ids = [s.action_id for s in todo]
-    for _ in range(50):  # results are pushed as they end; their records commit moments later
-        statuses, terminal_events = await terminal_records(mesh.postgres_dsn, ids)
-        if len(terminal_events) == len(ids):
-            break
-        await asyncio.sleep(0.1)
+    statuses, terminal_events = await settled(mesh.postgres_dsn, [s.action_id for s in todo])
     for s, r in zip(todo, results, strict=True):
         assert statuses[s.action_id] == r.status  # recorded == delivered
         assert terminal_events.get(s.action_id) == 1, s.action_id  # exactly one terminal state
@@ -109,36 +115,22 @@ async def test_node_agent_kill9_fails_in_flight_as_node_died_and_reruns_nothing(
     assert ok_ids <= set(runs)
 
 
-async def test_broker_restart_mid_run_loses_nothing(own_mesh: Mesh, uid: str, tmp_path: Path):
+@pytest.mark.parametrize("server", ["nats", "postgres"])
+async def test_server_kill9_mid_run_loses_nothing(own_mesh: Mesh, uid: str, tmp_path: Path,
+                                                  server: str):  # fmt: skip
+    """The broker or the database is killed -9 and restarted while actions are in flight."""
     log = tmp_path / "ran.log"
+    restart = own_mesh.restart_nats if server == "nats" else own_mesh.restart_postgres
     async with Client.connect(own_mesh.nats_url) as client:
         todo = specs(uid, log, 40, trajectories=8, sleep="0.2")
         await asyncio.gather(*(client.submit(s) for s in todo))
         await asyncio.sleep(0.5)
-        await own_mesh.restart_nats()
+        await restart()
         results = await asyncio.gather(*(client.result(s.action_id, timeout=90) for s in todo))
     assert all(r.ok for r in results), [(r.action_id, r.error) for r in results if not r.ok]
     runs = collections.Counter(log.read_text().split())
     assert max(runs.values()) == 1
     assert set(runs) == {s.action_id for s in todo}
-
-
-async def test_postgres_kill9_mid_run_loses_nothing(own_mesh: Mesh, uid: str, tmp_path: Path):
-    log = tmp_path / "ran.log"
-    async with Client.connect(own_mesh.nats_url) as client:
-        todo = specs(uid, log, 40, trajectories=8, sleep="0.2")
-        await asyncio.gather(*(client.submit(s) for s in todo))
-        await asyncio.sleep(0.5)
-        await own_mesh.restart_postgres()
-        results = await asyncio.gather(*(client.result(s.action_id, timeout=90) for s in todo))
-    assert all(r.ok for r in results), [(r.action_id, r.error) for r in results if not r.ok]
-    runs = collections.Counter(log.read_text().split())
-    assert max(runs.values()) == 1
-    ids = [s.action_id for s in todo]
-    for _ in range(100):
-        statuses, terminal_events = await terminal_records(own_mesh.postgres_dsn, ids)
-        if len(terminal_events) == len(ids):
-            break
-        await asyncio.sleep(0.1)
+    statuses, terminal_events = await settled(own_mesh.postgres_dsn, [s.action_id for s in todo])
     assert set(statuses.values()) == {"succeeded"}
     assert set(terminal_events.values()) == {1}

@@ -1,59 +1,125 @@
-"""compose/docker-compose.yml validates with the real compose tool and wires the mesh as meant."""
+"""compose/docker-compose.yml validates with a real compose tool and wires the mesh as meant.
+
+The tool is ``docker compose`` (v2 plugin) or Debian's ``docker-compose``; ``make docker-engine``
+(scripts/compose-tool.sh) installs one. ``config`` needs no Docker engine.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 COMPOSE = Path(__file__).parents[2] / "compose" / "docker-compose.yml"
 TANGRAM_SERVICES = ("gateway", "scheduler", "cpu_manager")
+MINIMAL = """\
+services:
+  nats:
+    image: nats:2.10-alpine
+  gateway:
+    image: {image}
+    depends_on: {{nats: {{condition: {condition}}}}}
+"""
+
+
+def _works(argv: list[str]) -> bool:
+    if shutil.which(argv[0]) is None:
+        return False
+    probe = subprocess.run([*argv, "version"], capture_output=True, timeout=30, check=False)
+    return probe.returncode == 0
+
+
+@functools.cache
+def _find_tool() -> tuple[str, ...] | None:
+    for argv in (["docker", "compose"], ["docker-compose"]):
+        if _works(argv):
+            return tuple(argv)
+    return None
 
 
 def compose_tool() -> list[str]:
-    probe = subprocess.run(["docker", "compose", "version"], capture_output=True, check=False) \
-        if shutil.which("docker") else None  # fmt: skip
-    if probe is not None and probe.returncode == 0:
-        return ["docker", "compose"]
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
+    """The compose command line; skips without one (fails when CI=true)."""
+    if (found := _find_tool()) is not None:
+        return list(found)
+    reason = "no compose tool (docker compose / docker-compose); run scripts/compose-tool.sh"
     if os.environ.get("CI", "").lower() == "true":
-        pytest.fail("no compose tool: scripts/compose-tool.sh should have installed one")
-    pytest.skip("no compose tool (run scripts/compose-tool.sh)")
+        pytest.fail(reason)
+    pytest.skip(reason)
 
 
 def config(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*compose_tool(), "-f", str(path), "config"],
-                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    return subprocess.run(
+        [*compose_tool(), "-f", str(path), "config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
-def test_compose_file_validates_and_wires_every_service():
+@pytest.fixture(scope="module")
+def services() -> dict[str, Any]:
     out = config(COMPOSE)
     assert out.returncode == 0, out.stderr
     spec = yaml.safe_load(out.stdout)
-    services = spec["services"]
+    return spec["services"]
+
+
+def test_every_service_is_defined(services: dict[str, Any]):
     assert {"nats", "postgres", "jaeger", *TANGRAM_SERVICES} <= set(services)
-    assert "-js" in services["nats"]["command"]
-    assert any("16686" in str(p) for p in services["jaeger"]["ports"])
-    for name in TANGRAM_SERVICES:
-        svc = services[name]
-        assert "healthcheck" in svc, name
-        assert "nats" in svc["depends_on"], name
-        assert "postgres" in svc["depends_on"], name
-        assert svc["command"][-1] == f"services.{name}"
-        assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
-    for name in ("nats", "postgres"):
-        assert "healthcheck" in services[name]
 
 
-def test_a_broken_compose_file_is_rejected(tmp_path: Path):
-    broken = tmp_path / "docker-compose.yml"
-    broken.write_text(
-        "services:\n  gateway:\n    image: 42\n    depends_on: {nats: {condition: maybe}}\n"
-    )
-    out = config(broken)
-    assert out.returncode != 0
+def test_infrastructure(services: dict[str, Any]):
+    nats = services["nats"]
+    assert "-js" in nats["command"]
+    assert "-m" in nats["command"]
+    assert any("8222/healthz" in part for part in nats["healthcheck"]["test"])
+    assert "pg_isready" in str(services["postgres"]["healthcheck"]["test"])
+    jaeger = services["jaeger"]
+    assert any(str(p.get("published")) == "16686" for p in jaeger["ports"])
+    assert jaeger["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+
+
+@pytest.mark.parametrize("name", TANGRAM_SERVICES)
+def test_tangram_service_wiring(services: dict[str, Any], name: str):
+    svc = services[name]
+    assert svc["build"]["dockerfile"] == "compose/Dockerfile"
+    assert svc["command"][-1] == f"services.{name}"
+    assert svc["healthcheck"]["test"]
+    assert svc["restart"]
+    for dep in ("nats", "postgres"):
+        assert svc["depends_on"][dep]["condition"] == "service_healthy"
+    env = svc["environment"]
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
+    assert env["TANGRAM_NATS_URL"] == "nats://nats:4222"
+    assert env["TANGRAM_POSTGRES_DSN"].startswith("postgresql://")
+
+
+def test_cpu_manager_can_reach_the_docker_engine(services: dict[str, Any]):
+    cpu = services["cpu_manager"]
+    assert cpu["environment"]["TANGRAM_CPU_BACKEND"] == "auto"
+    assert any("/var/run/docker.sock:/var/run/docker.sock" in str(v) for v in cpu["volumes"])
+
+
+@pytest.mark.parametrize(
+    ("image", "condition", "valid"),
+    [
+        ("tangram:dev", "service_started", True),  # control: the same file, correct
+        ("42", "maybe", False),  # image not a string; no such condition
+    ],
+)
+def test_the_tool_rejects_a_broken_file(tmp_path: Path, image: str, condition: str, valid: bool):
+    path = tmp_path / "docker-compose.yml"
+    path.write_text(MINIMAL.format(image=image, condition=condition))
+    out = config(path)
+    if valid:
+        assert out.returncode == 0, out.stderr
+    else:
+        assert out.returncode != 0, out.stdout
+        assert "gateway" in out.stderr + out.stdout

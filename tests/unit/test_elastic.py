@@ -2,21 +2,33 @@
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.dparrange import Task
+from services.scheduler.dparrange import (
+    BasicOperator,
+    ChunkOperator,
+    DpOperator,
+    Task,
+    prefix_table,
+)
 from services.scheduler.durations import Amdahl
 from services.scheduler.elastic import (
     ElasticPolicy,
     FixedDopPolicy,
     Releases,
     TrajectoryStaticPolicy,
+    fits_chunks_at_min,
+    make_row,
+    releases_of,
+    spread,
 )
 from services.scheduler.multiresource import Queue, candidates, schedule
-from services.scheduler.policy import Busy, Waiting, make_policy
+from services.scheduler.policy import Busy, Waiting, fits_at_min, make_policy
 
 
 @st.composite
@@ -146,3 +158,126 @@ def test_multi_resource_never_exceeds_capacity(qf: tuple[Queue, np.ndarray]) -> 
         row[q.key[i]] = u
         use += row
     assert np.all(use <= free)
+
+
+# --- Reference: Algorithms 1-2 written plainly, as first implemented; the fast path must agree.
+
+
+def _reference_estimate(now, free, heap, first, rest):  # type: ignore[no-untyped-def]
+    best = float("inf")
+    for units0, dur0 in first:
+        h = list(heap)
+        obj, t, f = 0.0, now, free
+        for need, dur in ((units0, dur0), *rest):
+            while f < need and h:
+                end, back = heapq.heappop(h)
+                t, f = max(t, end), f + back
+            t_end = t + dur
+            heapq.heappush(h, (t_end, need))
+            f -= need
+            obj += t_end
+            if obj >= best:
+                break
+        best = min(best, obj)
+    return best if first else 0.0
+
+
+def _reference_objective(rows, table, free, releases, now, depth, t):  # type: ignore[no-untyped-def]
+    exact = table.objective(t)
+    if not np.isfinite(exact):
+        return exact
+    alloc = table.allocation(t)
+    heap = list(zip(releases.ends, releases.units, strict=True))
+    for row, units in zip(rows[:t], alloc, strict=True):
+        dur = float(row.task.durations[np.searchsorted(row.task.choices, units)])
+        heap.append((now + dur, units))
+    heapq.heapify(heap)
+    rest = rows[t:]
+    if not rest:
+        return t * now + exact
+    head = rest[0].task
+    pick = spread(head.choices.size, depth)
+    first = list(zip(head.choices[pick].tolist(), head.durations[pick].tolist(), strict=True))
+    mins = [(int(r.task.choices[0]), float(r.task.durations[0])) for r in rest[1:]]
+    return t * now + exact + _reference_estimate(now, free - sum(alloc), heap, first, mins)
+
+
+def reference_decide(
+    policy: ElasticPolicy, waiting: list[Waiting], n: int, free: int, op: DpOperator,
+    running: list[Busy], now: float,
+) -> list[int]:  # fmt: skip
+    """``ElasticPolicy._decide`` before the fast path: every eviction step from scratch."""
+    if n == 0:
+        return []
+    rows = [make_row(w, policy.learner, policy.default_s) for w in waiting[: n + policy.horizon]]
+    if not any(r.elastic for r in rows[:n]):
+        return [int(r.task.choices[0]) for r in rows[:n]]
+    table = prefix_table(op, [r.task for r in rows[:n]])
+    releases = releases_of(running, now, policy.learner, policy.default_s)
+    t = n
+    obj = _reference_objective(rows, table, free, releases, now, policy.depth, t)
+    while t > (0 if running else 1):
+        new = _reference_objective(rows, table, free, releases, now, policy.depth, t - 1)
+        if new >= obj:
+            break
+        t, obj = t - 1, new
+    return list(table.allocation(t))
+
+
+# few distinct values, so that ties (equal ends, equal gains) are common
+_SECONDS = st.sampled_from([0.5, 1.0, 2.0, 3.0, 10.0, 40.0, 100.0, 250.0])
+_FRACTIONS = st.sampled_from([0.0, 0.5, 0.9, 0.95, 0.99, 1.0])
+
+
+@st.composite
+def instances(draw: st.DrawFn) -> tuple[list[Waiting], int, list[Busy], float]:
+    waiting = []
+    for i in range(draw(st.integers(1, 48))):
+        kind = draw(st.sampled_from(["tool", "range", "set", "unknown"]))
+        if kind == "tool":
+            waiting.append(Waiting(f"a{i}", (draw(st.integers(1, 3)),), 0.0, "t",
+                                   draw(_SECONDS), 0.0))  # fmt: skip
+            continue
+        if kind == "set":
+            choices = tuple(sorted(draw(st.sets(st.sampled_from([1, 2, 4, 8, 16]), min_size=1))))
+        else:
+            lo = draw(st.integers(1, 3))
+            choices = tuple(range(lo, lo + draw(st.integers(1, 24))))
+        if kind == "unknown":
+            waiting.append(Waiting(f"a{i}", choices, 0.0, "never-seen"))
+        else:
+            waiting.append(Waiting(f"a{i}", choices, 0.0, "r", draw(_SECONDS), draw(_FRACTIONS)))
+    now = draw(st.sampled_from([0.0, 5.0]))
+    running = [
+        Busy(f"b{i}", draw(st.integers(1, 16)), 0.0,
+             draw(st.one_of(st.none(), st.sampled_from([1.0, 3.0, 10.0]))))
+        for i in range(draw(st.integers(0, 8)))
+    ]  # fmt: skip
+    return waiting, draw(st.integers(0, 96)), running, now
+
+
+@settings(max_examples=300, deadline=None)
+@given(instances(), st.integers(1, 3), st.sampled_from([0, 4, 64]))
+def test_fast_arrange_grants_exactly_what_the_reference_grants(
+    inst: tuple[list[Waiting], int, list[Busy], float], depth: int, horizon: int
+) -> None:
+    waiting, free, running, now = inst
+    policy = ElasticPolicy(depth=depth, horizon=horizon)
+    expected = reference_decide(
+        policy, waiting, fits_at_min(waiting, free), free, BasicOperator(free), running, now
+    )
+    assert policy.arrange(waiting, free, free + 16, running, now) == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(instances(), st.tuples(*[st.integers(0, 2)] * 4))
+def test_fast_arrange_chunks_grants_exactly_what_the_reference_grants(
+    inst: tuple[list[Waiting], int, list[Busy], float], chunks: tuple[int, int, int, int]
+) -> None:
+    waiting, _, running, now = inst
+    waiting = [w for w in waiting if w.choices[-1] <= 8]
+    policy = ElasticPolicy()
+    free = sum(c * s for c, s in zip(chunks, (1, 2, 4, 8), strict=True))
+    n = fits_chunks_at_min(waiting, chunks)
+    expected = reference_decide(policy, waiting, n, free, ChunkOperator(chunks), running, now)
+    assert policy.arrange_chunks(waiting, chunks, running, now) == expected
