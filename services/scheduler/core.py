@@ -9,11 +9,11 @@ FCFS; the policy decides how many of the head actions start now and with how man
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import msgspec
 
+from services.scheduler import views
 from services.scheduler.cores import pick_cores
 from services.scheduler.effects import (
     DropEnvOnNode,
@@ -25,7 +25,7 @@ from services.scheduler.effects import (
     completed,
     failed,
 )
-from services.scheduler.policy import Busy, MinPolicy, Policy, Waiting
+from services.scheduler.policy import MinPolicy, Policy, Waiting
 from tangram.contract import (
     ActionResult,
     Allocation,
@@ -454,7 +454,11 @@ class SchedulerCore:
 
     def _admit(self, node: Node, acts: list[UnifiedAction], now: float) -> list[Effect]:
         waiting = [self._view(a) for a in acts]
-        busy = [_busy(aid, r) for aid, r in self.running.items() if r.node_id == node.node_id]
+        busy = [
+            views.busy(r.action, len(r.cores), r.started_at)
+            for r in self.running.values()
+            if r.node_id == node.node_id
+        ]
         grants = self.policy.arrange(waiting, len(node.free), node.capacity, busy, now)
         effects: list[Effect] = []
         for act, units in zip(acts, grants, strict=False):
@@ -465,7 +469,7 @@ class SchedulerCore:
         aid = act.spec.action_id
         view = self._views.get(aid)
         if view is None:
-            view = self._views[aid] = _waiting(act)
+            view = self._views[aid] = views.waiting(act)
         return view
 
     def _start(self, node: Node, act: UnifiedAction, units: int, now: float) -> list[Effect]:
@@ -495,31 +499,3 @@ class SchedulerCore:
             "envs": len(self.envs),
             "free_cores": sum(len(n.free) for n in self.nodes.values()),
         }
-
-
-def _busy(aid: str, run: Running) -> Busy:
-    spec = run.action.spec
-    hint = spec.duration
-    return Busy(
-        aid, len(run.cores), run.started_at, trajectory_id=spec.trajectory_id,
-        profile=spec.profile, t_ori_s=hint.t_ori_s if hint else None,
-        parallel_fraction=hint.parallel_fraction if hint else None,
-    )  # fmt: skip
-
-
-def _waiting(act: UnifiedAction) -> Waiting:
-    hint = act.spec.duration
-    return Waiting(
-        action_id=act.spec.action_id,
-        choices=act.demands[0].choices,
-        enqueued_at=act.submitted_at,
-        profile=act.spec.profile,
-        t_ori_s=hint.t_ori_s if hint else None,
-        parallel_fraction=hint.parallel_fraction if hint else None,
-        trajectory_id=act.spec.trajectory_id,
-    )
-
-
-def ids(effects: Iterable[Effect]) -> list[str]:
-    """Action ids started by ``effects`` (for tests and the simulator)."""
-    return [e.action.spec.action_id for e in effects if isinstance(e, StartOnNode)]

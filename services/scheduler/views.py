@@ -1,0 +1,31 @@
+"""How the scheduler core presents queued and running actions to a policy (pure)."""
+
+from __future__ import annotations
+
+from services.scheduler.policy import Busy, Waiting
+from tangram.contract import UnifiedAction
+
+
+def busy(action: UnifiedAction, units: int, started_at: float) -> Busy:
+    """A running action as a policy sees it."""
+    spec = action.spec
+    hint = spec.duration
+    return Busy(
+        spec.action_id, units, started_at, trajectory_id=spec.trajectory_id,
+        profile=spec.profile, t_ori_s=hint.t_ori_s if hint else None,
+        parallel_fraction=hint.parallel_fraction if hint else None,
+    )  # fmt: skip
+
+
+def waiting(act: UnifiedAction) -> Waiting:
+    """A queued action as a policy sees it."""
+    hint = act.spec.duration
+    return Waiting(
+        action_id=act.spec.action_id,
+        choices=act.demands[0].choices,
+        enqueued_at=act.submitted_at,
+        profile=act.spec.profile,
+        t_ori_s=hint.t_ori_s if hint else None,
+        parallel_fraction=hint.parallel_fraction if hint else None,
+        trajectory_id=act.spec.trajectory_id,
+    )
