@@ -327,10 +327,12 @@ class EnvExpired(_Msg, tag="env_expired"):
 
 
 class NodeLeaving(_Msg, tag="node_leaving"):
-    """A node agent shutting down after draining: dispatch nothing more to this incarnation."""
+    """A node agent shutting down: ``draining`` first (send no new work; what runs finishes),
+    then gone (dispatch nothing more to this incarnation)."""
 
     node_id: NodeId
     incarnation: str
+    draining: bool = False
 
 
 NodeMessage = Completion | NodeReport | EnvExpired | NodeLeaving

@@ -109,6 +109,7 @@ class CpuManager(Service):
         self.spawn(self._ttl_loop(), "env-ttl")
 
     async def on_stop(self, grace_s: float) -> None:
+        await self._leave(draining=True)
         if self.bus is not None:
             await self.bus.stop_serving(0.1)
         if self._runs:
@@ -120,11 +121,17 @@ class CpuManager(Service):
             await asyncio.wait(set(self._runs), timeout=2.0)
         await self._flush_outbox()
         await self.backend.close()
+        await self._leave(draining=False)
         if self.bus is not None:
-            leaving = NodeLeaving(node_id=self.node_id, incarnation=self.incarnation)
-            with contextlib.suppress(TangramError):
-                await self.bus.request(subjects.SCHED_NODES, leaving, Ack, timeout=2.0)
             await self.bus.close()
+
+    async def _leave(self, *, draining: bool) -> None:
+        """Tell the scheduler we are draining, or gone (best effort: it may be down)."""
+        if self.bus is None:
+            return
+        msg = NodeLeaving(node_id=self.node_id, incarnation=self.incarnation, draining=draining)
+        with contextlib.suppress(TangramError):
+            await self.bus.request(subjects.SCHED_NODES, msg, Ack, timeout=2.0)
 
     # ------------------------------------------------------------------ commands
 

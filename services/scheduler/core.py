@@ -47,6 +47,7 @@ class Node:
     free: set[int]
     last_seen: float
     reserved_mb: int = 0
+    draining: bool = False  # shutting down: what runs finishes, nothing new starts
 
     @property
     def capacity(self) -> int:
@@ -241,10 +242,14 @@ class SchedulerCore:
                 effects.append(self._end_env(env, "lost", f"node {node.node_id} died: {why}"))
         return effects
 
-    def node_leaving(self, node_id: str, incarnation: str, now: float) -> list[Effect]:
-        """A node agent shut down cleanly: stop sending it work at once."""
+    def node_leaving(self, node_id: str, incarnation: str, now: float,
+                     draining: bool = False) -> list[Effect]:  # fmt: skip
+        """A node agent is shutting down: first it drains (no new work), then it is gone."""
         node = self.nodes.get(node_id)
         if node is None or node.incarnation != incarnation:
+            return []
+        if draining:
+            node.draining = True
             return []
         return self._node_lost(node, now, "node agent shut down")
 
@@ -386,7 +391,7 @@ class SchedulerCore:
 
     def _offer(self, p: _Pass, node_id: str, act: UnifiedAction) -> None:
         """Add ``act`` to its pool's FCFS list: fitting at minimum, or as lookahead."""
-        if node_id in p.full or node_id in p.reserved:
+        if node_id in p.full or node_id in p.reserved or self.nodes[node_id].draining:
             return
         p.waiting.setdefault(node_id, []).append(act)
         if node_id in p.blocked:
@@ -404,7 +409,7 @@ class SchedulerCore:
         """CPU-memory load balance over nodes with room for the action and its environment."""
         best: tuple[float, int, str] | None = None
         for node in self.nodes.values():
-            if node.node_id in p.blocked or node.node_id in p.reserved:
+            if node.node_id in p.blocked or node.node_id in p.reserved or node.draining:
                 continue
             free_cores = len(node.free) - p.need.get(node.node_id, 0)
             free_mem = node.memory_mb - node.reserved_mb - p.placed_mb.get(node.node_id, 0)

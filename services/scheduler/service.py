@@ -155,9 +155,9 @@ class Scheduler(Service):
                 await self.apply(self.core.node_report(req, now))
             case EnvExpired(node_id=node_id, trajectory_id=tid):
                 await self.apply(self.core.env_expired(node_id, tid))
-            case NodeLeaving(node_id=node_id, incarnation=inc):
-                log.info("node %s (%s) is leaving", node_id, inc)
-                await self.apply(self.core.node_leaving(node_id, inc, now))
+            case NodeLeaving(node_id=node_id, incarnation=inc, draining=draining):
+                log.info("node %s (%s) is %s", node_id, inc, "draining" if draining else "gone")
+                await self.apply(self.core.node_leaving(node_id, inc, now, draining))
         self._dirty.set()
         return Ack()
 

@@ -289,3 +289,20 @@ def test_cores_are_never_double_allocated_and_every_grant_is_allowed(evs):
         envs_by_traj = {tid: env.node_id for tid, env in core.envs.items()}
         for r in core.running.values():
             assert envs_by_traj[r.action.spec.trajectory_id] == r.node_id
+
+
+def test_a_draining_node_finishes_its_work_but_gets_no_new_work():
+    core = core_with(report("n0", cores=2), report("n1", cores=2))
+    core.enqueue(action("a", "t"), 0.0)
+    (run,) = starts(core.schedule(0.0))
+    core.node_leaving(run.node_id, "i0", 0.5, draining=True)
+    core.enqueue(action("b", "t"), 1.0)  # bound to the draining node: waits
+    core.enqueue(action("c", "fresh"), 1.0)  # new trajectory: goes elsewhere
+    placed = starts(core.schedule(1.0))
+    assert [(s.action.spec.action_id, s.node_id != run.node_id) for s in placed] == [("c", True)]
+    assert "a" in finishes(core.complete(run.node_id, "i0", 1, done(run), 2.0))
+    gone = core.node_leaving(run.node_id, "i0", 3.0)
+    assert any(isinstance(e, EnvChanged) and e.status == "lost" for e in gone)
+    lost = finishes(core.schedule(3.0))["b"]
+    assert lost.error is not None
+    assert lost.error.kind is ErrorKind.ENVIRONMENT_LOST
