@@ -180,6 +180,7 @@ class PrefixTable(Protocol):
 
     def objective(self, t: int) -> float: ...
     def allocation(self, t: int) -> tuple[int, ...]: ...
+    def arrangement(self, t: int) -> tuple[IntArray, FloatArray]: ...
 
 
 class DpTable:
@@ -189,6 +190,8 @@ class DpTable:
         dp = np.full(op.units_used.size, INF)
         dp[op.start] = 0.0
         self._op = op
+        self._tasks = tasks
+        self._flat: FlatTasks | None = None
         self._best: list[int] = [op.start]
         self._cost: list[float] = [0.0]
         self._layers: list[tuple[IntArray, IntArray]] = []
@@ -212,6 +215,30 @@ class DpTable:
             state = int(parent[state])
         return tuple(reversed(out))
 
+    def arrangement(self, t: int) -> tuple[IntArray, FloatArray]:
+        """The allocation of the first t tasks and the duration of each there."""
+        if self._flat is None:
+            self._flat = FlatTasks(self._tasks)
+        units = np.asarray(self.allocation(t), dtype=np.int64)
+        return units, self._flat.durations_at(units)
+
+
+class FlatTasks:
+    """Tasks' allowed units and durations laid end to end, searchable by ``task * stride + k``."""
+
+    def __init__(self, tasks: Sequence[Task]) -> None:
+        units = np.concatenate([t.choices for t in tasks])
+        self._stride = int(units.max()) + 1
+        self._offsets = np.arange(len(tasks), dtype=np.int64) * self._stride
+        self._keys = np.repeat(self._offsets, [t.choices.size for t in tasks]) + units
+        self._durs = np.concatenate([t.durations for t in tasks])
+
+    def durations_at(self, units: IntArray) -> FloatArray:
+        """The duration of task i at ``units[i]`` (an allowed amount) for the first len(units)."""
+        at = self._keys.searchsorted(self._offsets[: units.size] + units)
+        out: FloatArray = self._durs[at]
+        return out
+
 
 def _best_state(dp: FloatArray, units_used: IntArray) -> int:
     """Cheapest state; among equals the one that uses the fewest units (keeps room for others)."""
@@ -230,17 +257,22 @@ class GreedyTable:
     def __init__(self, capacity: int, tasks: Sequence[Task]) -> None:
         sizes = np.array([t.choices.size for t in tasks], dtype=np.int64)
         durs = np.concatenate([t.durations for t in tasks])
+        units = np.concatenate([t.choices for t in tasks])
         starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
         row = np.repeat(np.arange(len(tasks), dtype=np.int64), sizes)
         pos = np.arange(durs.size, dtype=np.int64) - starts[row]
         step = pos[1:] > 0  # durs[j + 1] and durs[j] belong to the same task
         gains = np.full((len(tasks), max(int(sizes.max()) - 1, 1)), -INF)
         gains[row[1:][step], pos[1:][step] - 1] = -np.diff(durs)[step]
-        mins = np.concatenate([t.choices[:1] for t in tasks]).astype(np.int64)
+        mins = units[starts].astype(np.int64)
+        self._durs, self._starts = durs, starts
         self._base = durs[starts]
         self._mins = mins
         self._gains = gains
-        self._slack = capacity - np.concatenate(([0], np.cumsum(mins)))
+        self._neg = -gains  # argpartition's key, negated once rather than per prefix
+        # per prefix, as ints: the increments worth taking and the units left after the minimums
+        self._positive = [0, *np.cumsum(np.count_nonzero(gains > 0.0, axis=1)).tolist()]
+        self._slack = [capacity, *(capacity - np.cumsum(mins)).tolist()]
         self._memo: dict[int, tuple[IntArray, FloatArray]] = {}
 
     def objective(self, t: int) -> float:
@@ -249,9 +281,14 @@ class GreedyTable:
         return float(self._base[:t].sum() - self._picked(t)[1].sum())
 
     def allocation(self, t: int) -> tuple[int, ...]:
+        return tuple(self.arrangement(t)[0].tolist())
+
+    def arrangement(self, t: int) -> tuple[IntArray, FloatArray]:
+        """The allocation of the first t tasks and the duration of each there: the choices are
+        contiguous, so task i's duration at min + extra is at offset extra of its durations."""
         rows, _ = self._picked(t)
         extra = np.bincount(rows, minlength=t)[:t] if t else np.zeros(0, dtype=np.int64)
-        return tuple((self._mins[:t] + extra).tolist())
+        return self._mins[:t] + extra, self._durs[self._starts[:t] + extra]
 
     def _picked(self, t: int) -> tuple[IntArray, FloatArray]:
         """The increments the greedy takes for the first t tasks (memoized: the eviction loop
@@ -262,12 +299,11 @@ class GreedyTable:
         return hit
 
     def _pick(self, t: int) -> tuple[IntArray, FloatArray]:
-        flat = self._gains[:t].ravel()
-        budget = int(min(self._slack[t], np.count_nonzero(flat > 0.0)))
+        budget = min(self._slack[t], self._positive[t])
         if budget <= 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0)
-        top = np.argpartition(-flat, budget - 1)[:budget]
-        return top // self._gains.shape[1], flat[top]
+        top = np.argpartition(self._neg[:t].ravel(), budget - 1)[:budget]
+        return top // self._gains.shape[1], self._gains[:t].ravel()[top]
 
 
 def greedy_applies(tasks: Sequence[Task]) -> bool:
@@ -284,9 +320,7 @@ def greedy_applies(tasks: Sequence[Task]) -> bool:
     return True
 
 
-def prefix_table(
-    op: DpOperator, tasks: Sequence[Task], convex: bool | None = None
-) -> PrefixTable:
+def prefix_table(op: DpOperator, tasks: Sequence[Task], convex: bool | None = None) -> PrefixTable:
     """The prefix optima, by the exact greedy when it applies and by the DP otherwise.
 
     ``convex`` is ``greedy_applies(tasks)`` when the caller already knows it (cached per row).

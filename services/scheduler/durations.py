@@ -20,7 +20,10 @@ IntArray = npt.NDArray[np.int64]
 
 
 class DurationModel(Protocol):
-    """Expected execution seconds per number of granted units."""
+    """Expected execution seconds per number of granted units; hashable (frozen), so that rows
+    computed from a model can be cached on it."""
+
+    def __hash__(self) -> int: ...
 
     @property
     def elastic(self) -> bool: ...

@@ -9,9 +9,11 @@ trajectories hold a reservation in this pool.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import accumulate
 
 import numpy as np
 
@@ -26,10 +28,11 @@ from services.scheduler.dparrange import (
     prefix_table,
     take_chunk,
 )
-from services.scheduler.durations import Amdahl, DurationLearner, resolve
+from services.scheduler.durations import Amdahl, DurationLearner, DurationModel, resolve
 from services.scheduler.policy import Busy, Waiting, fits_at_min
 
 DEFAULT_DURATION_S = 1.0
+INF = float("inf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +45,11 @@ class Row:
     min_units: int = field(init=False)
     min_duration: float = field(init=False)
     convex: bool = field(init=False)  # the exact greedy of ``GreedyTable`` holds for this task
+    options: tuple[tuple[int, float], ...] = field(init=False)  # (units, duration) pairs
 
     def __post_init__(self) -> None:
+        pairs = zip(self.task.choices.tolist(), self.task.durations.tolist(), strict=True)
+        object.__setattr__(self, "options", tuple(pairs))
         object.__setattr__(self, "min_units", int(self.task.choices[0]))
         object.__setattr__(self, "min_duration", float(self.task.durations[0]))
         object.__setattr__(self, "convex", greedy_applies((self.task,)))
@@ -54,12 +60,20 @@ def make_row(w: Waiting, learner: DurationLearner | None, default_s: float) -> R
     if w.t_ori_s is not None and w.parallel_fraction is not None:
         return _hinted_row(w.choices, w.t_ori_s, w.parallel_fraction)
     model = resolve(w.profile, w.t_ori_s, w.parallel_fraction, learner)
-    if model is not None and model.elastic and len(w.choices) > 1:
-        choices = np.asarray(w.choices, dtype=np.int64)
-        return Row(Task(choices, model.durations(choices)), True)
-    lo = np.asarray(w.choices[:1], dtype=np.int64)
-    durs = model.durations(lo) if model is not None else np.array([default_s])
-    return Row(Task(lo, durs), False)
+    if model is None:
+        return Row(Task(np.asarray(w.choices[:1], dtype=np.int64), np.array([default_s])), False)
+    return _model_row(w.choices, model)
+
+
+@lru_cache(maxsize=8192)
+def _model_row(choices: tuple[int, ...], model: DurationModel) -> Row:
+    """Rows depend on the allowed units and the (frozen, hashable) model only: computed once
+    per model, so until a profile learns something new its rows are reused."""
+    if model.elastic and len(choices) > 1:
+        units = np.asarray(choices, dtype=np.int64)
+        return Row(Task(units, model.durations(units)), True)
+    lo = np.asarray(choices[:1], dtype=np.int64)
+    return Row(Task(lo, model.durations(lo)), False)
 
 
 @lru_cache(maxsize=8192)
@@ -101,52 +115,86 @@ def _expected_end(b: Busy, now: float, learner: DurationLearner | None, default_
 def estimate(
     now: float,
     free: int,
-    heap: list[tuple[float, int]],
+    ones: list[float],
+    multi: list[tuple[float, int]],
     first: Sequence[tuple[int, float]],
     rest: Sequence[tuple[int, float]],
+    tails: Sequence[float],
 ) -> float:
     """Algorithm 2's ``estimate``: sum of end times of the remaining actions started FCFS at their
     minimum as units come back; the first one also tries ``depth`` of its allowed amounts.
 
     Units-aware: an action starts when enough units are free, not when any one action ends.
-    Only the multiset of ``heap`` matters (ties pop by units), so any valid heap of it will do.
+    The releases (end, units) are one heap split in two: ``ones`` holds the ends of one-unit
+    releases as bare floats (the bulk, and cheap to compare), ``multi`` the others; popping the
+    smaller of the two heads pops in the (end, units) order of the single heap. The last
+    allocation tried consumes both heaps.
+
+    ``tails[k]``, when given, is the sum of the durations of ``rest[k:]`` (and every time and
+    duration is ≥ 0): a later allocation of the first action is then abandoned as soon as even
+    starting all of the rest at once could not beat the best one, which leaves the result as is.
     """
-    best = float("inf")
+    best = INF
     push, pop = heapq.heappush, heapq.heappop
-    for units0, dur0 in first:
-        h = heap[:]
-        t, f = now, free
-        while f < units0 and h:
-            end, back = pop(h)
-            f += back
-            if end > t:
-                t = end
+    for i, (units0, dur0) in enumerate(first):
+        h1, hm = (ones, multi) if i == len(first) - 1 else (ones[:], multi[:])
+        t, f = _wait_for(now, free, units0, h1, hm)
         obj = t + dur0
-        push(h, (obj, units0))
+        push(h1, obj) if units0 == 1 else push(hm, (obj, units0))
         f -= units0
-        if obj < best:
-            for need, dur in rest:
-                while f < need and h:
-                    end, back = pop(h)
+        if tails and obj >= 0.0 and (obj + len(rest) * t + tails[0]) * _SAFE >= best:
+            continue  # cannot beat best: its exact sum is ≥ this bound
+        for need, dur in rest:
+            if obj >= best:
+                break
+            while f < need:  # _wait_for, inlined: this loop is the hot path
+                if h1 and (not hm or h1[0] < hm[0][0] or (h1[0] == hm[0][0] and hm[0][1] > 1)):
+                    end = pop(h1)
+                    f += 1
+                elif hm:
+                    end, back = pop(hm)
                     f += back
-                    if end > t:
-                        t = end
-                t_end = t + dur
-                push(h, (t_end, -need if need == 2 else need))
-                f -= need
-                obj += t_end
-                if obj >= best:
+                else:
                     break
+                if end > t:
+                    t = end
+            t_end = t + dur
+            if need == 1:
+                push(h1, t_end)
+            else:
+                push(hm, (t_end, need))
+            f -= need
+            obj += t_end
         best = min(best, obj)
     return best if first else 0.0
+
+
+def _wait_for(
+    t: float, f: int, need: int, h1: list[float], hm: list[tuple[float, int]]
+) -> tuple[float, int]:
+    """Pop releases in (end, units) order until ``need`` units are free: the time and free units."""
+    while f < need:
+        if h1 and (not hm or h1[0] < hm[0][0] or (h1[0] == hm[0][0] and hm[0][1] > 1)):
+            end, back = heapq.heappop(h1), 1
+        elif hm:
+            end, back = heapq.heappop(hm)
+        else:
+            break
+        f += back
+        t = max(t, end)
+    return t, f
+
+
+# A bound on the rounding of a float sum of a few hundred terms ≥ 0 (relative, generous).
+_SAFE = 1.0 - 1e-9
 
 
 class Objective:
     """Algorithm 2's ``getApproximatedObjective`` for the FCFS prefixes of the candidates.
 
-    Built once per decision: the durations of every candidate's allowed amounts lie in one flat
-    array keyed by ``row * stride + units`` (sorted), so a prefix's completion times are one
-    vectorized lookup; the running actions' releases are already a heap (sorted).
+    Built once per decision, evaluated once per prefix: the table gives a prefix's allocation
+    with the candidates' durations there in one vectorized step; the running actions' releases
+    are sorted, hence already heaps.
     """
 
     def __init__(
@@ -162,39 +210,38 @@ class Objective:
         self._rows, self._n, self._table = rows, n_candidates, table
         self._free, self._now, self._depth = free, now, depth
         self._mins = [(r.min_units, r.min_duration) for r in rows]
-        self._released = list(zip(releases.ends, releases.units, strict=True))
-        tasks = [r.task for r in rows[:n_candidates]]
-        units = np.concatenate([t.choices for t in tasks]) if tasks else np.zeros(0, np.int64)
-        self._stride = int(units.max()) + 1 if units.size else 1
-        self._offsets = np.arange(len(tasks), dtype=np.int64) * self._stride
-        sizes = [t.choices.size for t in tasks]
-        self._keys = np.repeat(self._offsets, sizes) + units
-        self._durs = np.concatenate([t.durations for t in tasks]) if tasks else np.zeros(0)
+        durs = [d for _, d in self._mins]
+        # suffix sums of the minimum durations: the bound of ``estimate``, valid for times ≥ 0
+        self._tails: list[float] = []
+        if now >= 0.0 and min(durs, default=0.0) >= 0.0 and min(releases.ends, default=0.0) >= 0:
+            self._tails = list(accumulate(reversed(durs)))[::-1]
+        released = list(zip(releases.ends, releases.units, strict=True))
+        self._ones = [e for e, u in released if u == 1]  # sorted: already heaps
+        self._multi = [x for x in released if x[1] != 1]
 
     def __call__(self, t: int) -> float:
         """Exact ACT part for the first t candidates plus the estimate for all behind them."""
         exact = self._table.objective(t)
-        if not np.isfinite(exact):
+        if not math.isfinite(exact):
             return exact
-        alloc = self._table.allocation(t)
-        heap = self._released + list(zip(self._ends(alloc), alloc, strict=True))
-        heapq.heapify(heap)
         if t >= len(self._rows):
             return t * self._now + exact
-        head = self._rows[t].task
-        pick = spread(head.choices.size, self._depth)
-        first = list(zip(head.choices[pick].tolist(), head.durations[pick].tolist(), strict=True))
+        units_at, durs_at = self._table.arrangement(t)
+        alloc: list[int] = units_at.tolist()
+        ones, multi = self._ones[:], self._multi[:]
+        for end, units in zip((self._now + durs_at).tolist(), alloc, strict=True):
+            if units == 1:
+                ones.append(end)
+            else:
+                multi.append((end, units))
+        heapq.heapify(ones)
+        heapq.heapify(multi)
+        head = self._rows[t]
+        first = [head.options[i] for i in spread(len(head.options), self._depth)]
         rest = self._mins[t + 1 :]
-        tail = estimate(self._now, self._free - sum(alloc), heap, first, rest)
+        tails = self._tails[t + 1 :]
+        tail = estimate(self._now, self._free - sum(alloc), ones, multi, first, rest, tails)
         return t * self._now + exact + tail
-
-    def _ends(self, alloc: tuple[int, ...]) -> list[float]:
-        """Completion times of the first len(alloc) candidates at the given units."""
-        if not alloc:
-            return []
-        want = self._offsets[: len(alloc)] + np.asarray(alloc, dtype=np.int64)
-        ends: list[float] = (self._now + self._durs[self._keys.searchsorted(want)]).tolist()
-        return ends
 
 
 def spread(n_choices: int, depth: int) -> list[int]:

@@ -65,7 +65,8 @@ def schedule(
             continue
         budget = int(free[r] - used[r] + q.mins[cand, r].sum())
         rows = [Row(q.tasks[i], q.elastic[i]) for i in group]
-        table = prefix_table(BasicOperator(budget), [q.tasks[i] for i in cand])
+        convex = all(r.convex for r in rows[: cand.size])  # group ascending: cand come first
+        table = prefix_table(BasicOperator(budget), [q.tasks[i] for i in cand], convex)
         obj = Objective(rows, cand.size, table, budget, releases[r], now, depth)
         t = greedy_evict(obj, cand.size, 0 if releases[r].ends else 1)
         started += cand[:t].tolist()

@@ -13,17 +13,19 @@ from services.scheduler.dparrange import (
     BasicOperator,
     ChunkOperator,
     DpOperator,
+    DpTable,
+    PrefixTable,
     Task,
-    prefix_table,
+    greedy_applies,
 )
-from services.scheduler.durations import Amdahl
+from services.scheduler.durations import Amdahl, resolve
 from services.scheduler.elastic import (
     ElasticPolicy,
     FixedDopPolicy,
     Releases,
+    Row,
     TrajectoryStaticPolicy,
     fits_chunks_at_min,
-    make_row,
     releases_of,
     spread,
 )
@@ -163,7 +165,10 @@ def test_multi_resource_never_exceeds_capacity(qf: tuple[Queue, np.ndarray]) -> 
 # --- Reference: Algorithms 1-2 written plainly, as first implemented; the fast path must agree.
 
 
-def _reference_estimate(now, free, heap, first, rest):  # type: ignore[no-untyped-def]
+def _reference_estimate(
+    now: float, free: int, heap: list[tuple[float, int]], first: list[tuple[int, float]],
+    rest: list[tuple[int, float]],
+) -> float:  # fmt: skip
     best = float("inf")
     for units0, dur0 in first:
         h = list(heap)
@@ -182,7 +187,10 @@ def _reference_estimate(now, free, heap, first, rest):  # type: ignore[no-untype
     return best if first else 0.0
 
 
-def _reference_objective(rows, table, free, releases, now, depth, t):  # type: ignore[no-untyped-def]
+def _reference_objective(
+    rows: list[Row], table: PrefixTable, free: int, releases: Releases, now: float, depth: int,
+    t: int,
+) -> float:  # fmt: skip
     exact = table.objective(t)
     if not np.isfinite(exact):
         return exact
@@ -202,6 +210,49 @@ def _reference_objective(rows, table, free, releases, now, depth, t):  # type: i
     return t * now + exact + _reference_estimate(now, free - sum(alloc), heap, first, mins)
 
 
+class _ReferenceGreedy:
+    """``GreedyTable`` as first written (same argpartition, hence the same float sums)."""
+
+    def __init__(self, capacity: int, tasks: list[Task]) -> None:
+        width = max(int(t.choices.size) for t in tasks)
+        gains = np.full((len(tasks), max(width - 1, 1)), -np.inf)
+        for i, t in enumerate(tasks):
+            if t.choices.size > 1:
+                gains[i, : t.choices.size - 1] = -np.diff(t.durations)
+        mins = np.array([int(t.choices[0]) for t in tasks], dtype=np.int64)
+        self._base = np.array([float(t.durations[0]) for t in tasks])
+        self._mins, self._gains = mins, gains
+        self._slack = capacity - np.concatenate(([0], np.cumsum(mins)))
+
+    def objective(self, t: int) -> float:
+        if self._slack[t] < 0:
+            return np.inf
+        return float(self._base[:t].sum() - self._picked(t)[1].sum())
+
+    def allocation(self, t: int) -> tuple[int, ...]:
+        rows, _ = self._picked(t)
+        extra = np.bincount(rows, minlength=t)[:t] if t else np.zeros(0, dtype=np.int64)
+        return tuple(int(x) for x in self._mins[:t] + extra)
+
+    def _picked(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        flat = self._gains[:t].ravel()
+        budget = int(min(self._slack[t], np.count_nonzero(flat > 0.0)))
+        if budget <= 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0)
+        top = np.argpartition(-flat, budget - 1)[:budget]
+        return top // self._gains.shape[1], flat[top]
+
+
+def _reference_row(w: Waiting, policy: ElasticPolicy) -> Row:
+    model = resolve(w.profile, w.t_ori_s, w.parallel_fraction, policy.learner)
+    if model is not None and model.elastic and len(w.choices) > 1:
+        choices = np.asarray(w.choices, dtype=np.int64)
+        return Row(Task(choices, model.durations(choices)), True)
+    lo = np.asarray(w.choices[:1], dtype=np.int64)
+    durs = model.durations(lo) if model is not None else np.array([policy.default_s])
+    return Row(Task(lo, durs), False)
+
+
 def reference_decide(
     policy: ElasticPolicy, waiting: list[Waiting], n: int, free: int, op: DpOperator,
     running: list[Busy], now: float,
@@ -209,10 +260,13 @@ def reference_decide(
     """``ElasticPolicy._decide`` before the fast path: every eviction step from scratch."""
     if n == 0:
         return []
-    rows = [make_row(w, policy.learner, policy.default_s) for w in waiting[: n + policy.horizon]]
+    rows = [_reference_row(w, policy) for w in waiting[: n + policy.horizon]]
     if not any(r.elastic for r in rows[:n]):
         return [int(r.task.choices[0]) for r in rows[:n]]
-    table = prefix_table(op, [r.task for r in rows[:n]])
+    tasks = [r.task for r in rows[:n]]
+    table: PrefixTable = DpTable(op, tasks)
+    if isinstance(op, BasicOperator) and greedy_applies(tasks):
+        table = _ReferenceGreedy(op.capacity, tasks)
     releases = releases_of(running, now, policy.learner, policy.default_s)
     t = n
     obj = _reference_objective(rows, table, free, releases, now, policy.depth, t)
@@ -233,7 +287,7 @@ _FRACTIONS = st.sampled_from([0.0, 0.5, 0.9, 0.95, 0.99, 1.0])
 def instances(draw: st.DrawFn) -> tuple[list[Waiting], int, list[Busy], float]:
     waiting = []
     for i in range(draw(st.integers(1, 48))):
-        kind = draw(st.sampled_from(["tool", "range", "set", "unknown"]))
+        kind = draw(st.sampled_from(["tool", "range", "set", "unknown", "learned", "mean"]))
         if kind == "tool":
             waiting.append(Waiting(f"a{i}", (draw(st.integers(1, 3)),), 0.0, "t",
                                    draw(_SECONDS), 0.0))  # fmt: skip
@@ -243,8 +297,9 @@ def instances(draw: st.DrawFn) -> tuple[list[Waiting], int, list[Busy], float]:
         else:
             lo = draw(st.integers(1, 3))
             choices = tuple(range(lo, lo + draw(st.integers(1, 24))))
-        if kind == "unknown":
-            waiting.append(Waiting(f"a{i}", choices, 0.0, "never-seen"))
+        if kind in ("unknown", "learned", "mean"):  # profiles: see _learned_policy
+            hint = draw(st.one_of(st.none(), _SECONDS))
+            waiting.append(Waiting(f"a{i}", choices, 0.0, kind, hint))
         else:
             waiting.append(Waiting(f"a{i}", choices, 0.0, "r", draw(_SECONDS), draw(_FRACTIONS)))
     now = draw(st.sampled_from([0.0, 5.0]))
@@ -256,13 +311,21 @@ def instances(draw: st.DrawFn) -> tuple[list[Waiting], int, list[Busy], float]:
     return waiting, draw(st.integers(0, 96)), running, now
 
 
+def _learned_policy(policy: ElasticPolicy) -> ElasticPolicy:
+    """Profiles: "learned" has an Amdahl fit, "mean" a constant (one unit count seen)."""
+    for units, secs in ((1, 20.0), (4, 6.0), (8, 4.0)):
+        policy.observe("learned", units, secs)
+    policy.observe("mean", 2, 7.0)
+    return policy
+
+
 @settings(max_examples=300, deadline=None)
 @given(instances(), st.integers(1, 3), st.sampled_from([0, 4, 64]))
 def test_fast_arrange_grants_exactly_what_the_reference_grants(
     inst: tuple[list[Waiting], int, list[Busy], float], depth: int, horizon: int
 ) -> None:
     waiting, free, running, now = inst
-    policy = ElasticPolicy(depth=depth, horizon=horizon)
+    policy = _learned_policy(ElasticPolicy(depth=depth, horizon=horizon))
     expected = reference_decide(
         policy, waiting, fits_at_min(waiting, free), free, BasicOperator(free), running, now
     )
@@ -276,7 +339,7 @@ def test_fast_arrange_chunks_grants_exactly_what_the_reference_grants(
 ) -> None:
     waiting, _, running, now = inst
     waiting = [w for w in waiting if w.choices[-1] <= 8]
-    policy = ElasticPolicy()
+    policy = _learned_policy(ElasticPolicy())
     free = sum(c * s for c, s in zip(chunks, (1, 2, 4, 8), strict=True))
     n = fits_chunks_at_min(waiting, chunks)
     expected = reference_decide(policy, waiting, n, free, ChunkOperator(chunks), running, now)
