@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 DRAIN_AFTER_EXIT_S = 0.5  # background children may hold the pipes; stop reading after this
 AGENT_TAG = "TANGRAM_AGENT_INCARNATION"
 ROOT_TAG = "TANGRAM_ENV_ROOT"  # leftovers are recognised by the env root they ran under
+NOT_FOUND = frozenset({errno.ENOENT, errno.ENOTDIR})  # a shell exits 127
+NOT_EXECUTABLE = frozenset({errno.EACCES, errno.EPERM, errno.ENOEXEC, errno.EISDIR})  # 126
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +176,7 @@ class ProcessBackend:
                 self._launcher, self._spawn, req, workdir
             )
         except OSError as exc:
-            return ExecOutcome(None, b"", str(exc).encode(), False, False, started, time.time(),
-                               EnvFailure.INTERNAL, f"could not start: {exc}")  # fmt: skip
+            return _spawn_failure(exc, req.argv, workdir, started)
         run = _Run(proc, req.trajectory_id, out_fd, err_fd)
         self._runs[req.action_id] = run
         try:
@@ -260,6 +262,34 @@ class ProcessBackend:
 def _killpg(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
+
+
+def _spawn_failure(exc: OSError, argv: tuple[str, ...], workdir: Path,
+                   started: float) -> ExecOutcome:  # fmt: skip
+    """Why a spawn failed: the action's program (as a shell says it), its vanished directory,
+    or the node itself."""
+    failed = os.fsdecode(exc.filename) if exc.filename is not None else None
+    if failed == str(workdir):
+        return _lost(f"working directory {workdir} vanished")
+    if argv and failed == argv[0]:
+        own = _exec_failure(exc, argv[0], started)
+        if own is not None:
+            return own
+    return ExecOutcome(None, b"", str(exc).encode(), False, False, started, time.time(),
+                       EnvFailure.INTERNAL, f"could not start: {exc}")  # fmt: skip
+
+
+def _exec_failure(exc: OSError, program: str, started: float) -> ExecOutcome | None:
+    """A program that cannot be executed is the action's own failure: exit 127 (not found) or
+    126 (not executable) and a stderr line naming it, as a shell reports it."""
+    if exc.errno in NOT_FOUND:
+        code, why = 127, "command not found"
+    elif exc.errno in NOT_EXECUTABLE:
+        code, why = 126, exc.strerror or "cannot execute"
+    else:
+        return None
+    line = f"{program}: {why}\n".encode(errors="replace")
+    return ExecOutcome(code, b"", line, False, False, started, time.time())
 
 
 def _lost(detail: str) -> ExecOutcome:
