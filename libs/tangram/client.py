@@ -37,13 +37,13 @@ from tangram.contract import (
     Submit,
     codec,
 )
-from tangram.errors import Busy, ResultTimeout, TangramError, Unavailable
+from tangram.errors import ResultTimeout, TangramError
 
 T = TypeVar("T")
 
-GATEWAY_TIMEOUT_S = 10.0
-MAX_RETRIES = 20
-EARLY_LIMIT = 100_000
+GATEWAY_TIMEOUT_S = 10.0  # one gateway call, retries of busy/unavailable replies included
+RETRY_FIRST_S, RETRY_MAX_S = 0.05, 1.0  # backoff between those retries
+EARLY_LIMIT = 10_000  # pushed results nobody waits for yet (the gateway keeps them all anyway)
 RECHECK_S = 30.0  # ask the gateway for a result not pushed within this (and on reconnect)
 POLL_MIN_S, POLL_MAX_S = 0.05, 1.0  # polling for results of other clients' actions
 
@@ -142,14 +142,20 @@ class Client:
     async def run(self, spec: ActionSpec, *, wait_s: float | None = None) -> ActionResult:
         """Submit ``spec`` and wait for its result."""
         fut = self._waiter(spec.action_id)
-        ack = await self._submit(spec)
-        if isinstance(ack, ActionResult):
-            return ack
-        return await self._await(spec.action_id, fut, wait_s, ask_first=ack.duplicate)
+        try:
+            ack = await self._submit(spec)
+            if isinstance(ack, ActionResult):
+                return ack
+            return await self._await(spec.action_id, fut, wait_s, ask_first=ack.duplicate)
+        finally:
+            self._unwait(spec.action_id, fut)
 
     async def submit(self, spec: ActionSpec) -> Accepted:
-        """Make an action durable in the mesh; returns once it is acknowledged."""
-        self._waiter(spec.action_id)
+        """Make an action durable in the mesh; returns once it is acknowledged.
+
+        No waiter is kept: a result pushed before :meth:`result` is called waits in a bounded
+        cache, and :meth:`result` asks the gateway for anything not found there.
+        """
         ack = await self._submit(spec)
         if isinstance(ack, ActionResult):
             self._deliver(ack)
@@ -159,7 +165,7 @@ class Client:
     async def result(self, action_id: str, timeout: float | None = None) -> ActionResult:
         """Wait for an action's result (one submitted by any client)."""
         fut = self._waiter(action_id)
-        return await self._await(action_id, fut, timeout, ask_first=True)
+        return await self._await(action_id, fut, timeout, ask_first=not fut.done())
 
     async def close_env(self, trajectory_id: str) -> None:
         """End a trajectory: cancel its pending actions and remove its environment."""
@@ -185,21 +191,22 @@ class Client:
         return reply
 
     async def _gateway(self, req: Any) -> Any:
-        """Ask the gateway, retrying while it says busy or is briefly unreachable."""
-        delay = 0.05
-        for attempt in range(MAX_RETRIES):
+        """Ask the gateway. What the error tree marks retryable (busy, unreachable, a server's
+        ``unavailable`` reply) is retried with backoff until ``request_timeout`` is spent;
+        every request is idempotent (submits by ``action_id``)."""
+        deadline = time.monotonic() + self.request_timeout
+        delay = RETRY_FIRST_S
+        while True:
             try:
                 return await self.bus.request(
-                    subjects.GATEWAY, req, GatewayReply, timeout=self.request_timeout
+                    subjects.GATEWAY, req, GatewayReply, timeout=_left(deadline)
                 )
-            except Busy as exc:
-                await asyncio.sleep(exc.retry_after_s or delay)
-            except Unavailable:
-                if attempt >= 5:
+            except TangramError as exc:
+                pause = exc.retry_after_s or delay
+                if not exc.retryable or time.monotonic() + pause >= deadline:
                     raise
-                await asyncio.sleep(delay)
-            delay = min(2.0, delay * 2)
-        raise Unavailable(f"gateway still busy after {MAX_RETRIES} tries")
+            await asyncio.sleep(pause)
+            delay = min(RETRY_MAX_S, delay * 2)
 
     def _waiter(self, action_id: str) -> asyncio.Future[ActionResult]:
         fut = self._waiters.get(action_id)
@@ -234,7 +241,11 @@ class Client:
                     raise ResultTimeout(f"action {action_id} did not finish within {wait_s}s")
                 recheck = min(cap, max(POLL_MIN_S, recheck * 2))
         finally:
-            self._waiters.pop(action_id, None)
+            self._unwait(action_id, fut)
+
+    def _unwait(self, action_id: str, fut: asyncio.Future[ActionResult]) -> None:
+        if self._waiters.get(action_id) is fut:
+            del self._waiters[action_id]
 
     async def resync(self) -> None:
         """After a reconnect, pushes may have been missed: ask for every awaited result."""
@@ -274,6 +285,11 @@ async def _wait(fut: asyncio.Future[ActionResult], timeout: float) -> bool:
         return True
     done, _ = await asyncio.wait([fut], timeout=timeout)
     return bool(done)
+
+
+def _left(deadline: float) -> float:
+    """Time left for one request before ``deadline`` (never zero: a last try is worth it)."""
+    return max(0.05, deadline - time.monotonic())
 
 
 def _slice(recheck: float, deadline: float | None) -> float:
