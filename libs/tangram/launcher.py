@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tangram import subjects
+from tangram import config, subjects
 from tangram.bus import Bus
+from tangram.config import MeshConfig
 from tangram.contract import SchedulerStatus, StatusQuery
 from tangram.embedded import EmbeddedNats, EmbeddedPostgres, die_with_parent
 from tangram.errors import TangramError, Unavailable
@@ -29,6 +30,12 @@ log = logging.getLogger(__name__)
 
 SERVICES = ("gateway", "scheduler", "cpu_manager")
 STOP_ORDER = ("gateway", "cpu_manager", "scheduler")
+
+# A service stopping on SIGTERM may take up to twice its drain bound (the scheduler drains its
+# handlers, then its durable writers) plus fixed waits, each bounded in its own ``on_stop``. The
+# largest are the cpu_manager's, when the scheduler does not answer: draining notice 2 s,
+# post-kill wait 2 s, outbox flush 2 s, gone notice 2 s, NATS drain 5 s (13 s in all).
+STOP_FIXED_S = 15.0
 
 
 @dataclass
@@ -171,15 +178,28 @@ class Mesh:
             proc.send_signal(signal.SIGKILL)
         await proc.wait()
 
-    async def stop_service(self, key: str, timeout_s: float = 15.0) -> int | None:
+    def drain_s(self, name: str) -> float:
+        """The drain bound a service started by this mesh runs with."""
+        return config.load(MeshConfig, "TANGRAM_", environ=self.service_env(name)).drain_s
+
+    def stop_limit_s(self, key: str) -> float:
+        """How long a service may take to stop on SIGTERM before it is killed (see
+        ``STOP_FIXED_S``): beyond its worst case, so a drain is never cut short."""
+        return 2 * self.drain_s(key.split(".")[0]) + STOP_FIXED_S
+
+    async def stop_service(self, key: str, timeout_s: float | None = None) -> int | None:
+        """SIGTERM one service and wait for it to drain; SIGKILL it after ``timeout_s``
+        (default: :meth:`stop_limit_s`). Returns its exit status."""
         proc = self.procs.pop(key, None)
         if proc is None:
             return None
+        limit = self.stop_limit_s(key) if timeout_s is None else timeout_s
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
         try:
-            return await asyncio.wait_for(proc.wait(), timeout_s)
+            return await asyncio.wait_for(proc.wait(), limit)
         except TimeoutError:
+            log.warning("%s did not stop within %.0fs of SIGTERM; killing it", key, limit)
             proc.kill()
             return await proc.wait()
 

@@ -1,0 +1,141 @@
+"""SIGTERM of a node agent: an action longer than the drain bound ends as ``node_died`` (an
+infrastructure failure, recorded once), the agent exits by itself within its bound, and the
+launcher never SIGKILLs an agent still inside its worst-case stop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+import msgspec
+import pytest
+from nats.aio.msg import Msg
+
+from services.gateway.formulation import Limits, formulate
+from tangram import ActionSpec, ErrorKind, ExecAction, subjects
+from tangram.bus import Bus
+from tangram.client import Client
+from tangram.contract import Ack, Completion, Dispatch, NodeMessage, NodeReport, codec
+from tangram.launcher import Mesh
+
+from ..conftest import mesh_options
+
+pytestmark = pytest.mark.slow
+
+DRAIN_S = 1.0
+
+
+@pytest.fixture
+async def short_drain_mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
+    m = Mesh(mesh_options(tmp_path / "mesh", env={"TANGRAM_DRAIN_S": str(DRAIN_S)}))
+    try:
+        await m.start()
+        yield m
+    finally:
+        await m.stop()
+
+
+async def wait_for_file(path: Path, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(path.exists):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        await asyncio.sleep(0.02)
+
+
+async def test_action_longer_than_the_drain_ends_as_node_died(short_drain_mesh: Mesh, uid: str,
+                                                              tmp_path: Path):  # fmt: skip
+    mesh = short_drain_mesh
+    marker = tmp_path / "started"
+    spec = ActionSpec(action_id=f"{uid}-long", job_id=uid, trajectory_id=uid,
+                      action=ExecAction(command=f"touch {marker}; sleep 60"))  # fmt: skip
+    async with Client.connect(mesh.nats_url) as client:
+        await client.submit(spec)
+        await wait_for_file(marker)
+        t0 = time.monotonic()
+        rc = await mesh.stop_service("cpu_manager.0")
+        took = time.monotonic() - t0
+        res = await client.result(spec.action_id, timeout=30)
+    assert rc == 0, "the agent was killed instead of draining"
+    assert took < DRAIN_S + 3.0, took  # the scheduler answers: only the drain bound is waited
+    assert res.status == "failed"
+    assert res.error is not None
+    assert res.error.kind is ErrorKind.NODE_DIED
+    assert res.infrastructure_failure
+    conn = await asyncpg.connect(mesh.postgres_dsn)
+    try:
+        for _ in range(100):
+            row = await conn.fetchrow(
+                "SELECT status, error_kind FROM actions WHERE action_id = $1", spec.action_id
+            )
+            if row["status"] != "running":
+                break
+            await asyncio.sleep(0.05)
+        terminal = await conn.fetchval(
+            "SELECT count(*) FROM action_events WHERE action_id = $1"
+            " AND status IN ('succeeded', 'failed', 'cancelled')",
+            spec.action_id,
+        )
+    finally:
+        await conn.close()
+    assert (row["status"], row["error_kind"], terminal) == ("failed", "node_died", 1)
+
+
+class SilentScheduler:
+    """Listens where the scheduler listens and never answers: every request of the node agent
+    runs into its timeout, which is the agent's worst-case stop."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.reports: asyncio.Queue[NodeReport] = asyncio.Queue()
+        self.completions: list[Completion] = []
+
+    async def start(self) -> None:
+        await self.bus.nc.subscribe(subjects.SCHED_NODES, cb=self._on_msg)
+        await self.bus.nc.flush()
+
+    async def _on_msg(self, msg: Msg) -> None:
+        try:
+            m = codec.decode(msg.data, NodeMessage)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return
+        if isinstance(m, NodeReport):
+            self.reports.put_nowait(m)
+        elif isinstance(m, Completion):
+            self.completions.append(m)
+
+    async def dispatch(self, report: NodeReport, spec: ActionSpec) -> None:
+        action = formulate(spec, now=time.time(), limits=Limits())
+        action = msgspec.structs.replace(action, attempt=1)
+        core = report.inventory.numa[0].cores[0]
+        cmd = Dispatch(action=action, cores=(core,), epoch=1, incarnation=report.incarnation)
+        await self.bus.request(subjects.node(report.node_id), cmd, Ack, timeout=5.0)
+
+
+async def test_the_launcher_outwaits_the_agents_worst_case_stop(tmp_path: Path, uid: str):
+    drain_s = 8.0  # the agent's fixed waits (~8 s here) on top exceed the old 15 s SIGKILL limit
+    mesh = Mesh(mesh_options(tmp_path / "mesh", env={"TANGRAM_DRAIN_S": str(drain_s)}))
+    marker = tmp_path / "started"
+    spec = ActionSpec(action_id=f"{uid}-long", job_id=uid, trajectory_id=uid,
+                      action=ExecAction(command=f"touch {marker}; sleep 60"))  # fmt: skip
+    try:
+        await mesh.start_servers()
+        bus = await Bus.connect(mesh.nats_url, "silent-scheduler")
+        scheduler = SilentScheduler(bus)
+        await scheduler.start()
+        await mesh.start_service("cpu_manager", 0)
+        report = await asyncio.wait_for(scheduler.reports.get(), 30)
+        await scheduler.dispatch(report, spec)
+        await wait_for_file(marker)
+        t0 = time.monotonic()
+        rc = await mesh.stop_service("cpu_manager.0")
+        took = time.monotonic() - t0
+        await bus.close()
+    finally:
+        await mesh.stop()
+    assert rc == 0, f"SIGKILLed after {took:.1f}s; limit {mesh.stop_limit_s('cpu_manager.0')}s"
+    assert drain_s <= took < mesh.stop_limit_s("cpu_manager.0")
+    kinds = {c.result.error.kind for c in scheduler.completions if c.result.error}
+    assert kinds == {ErrorKind.NODE_DIED}  # it kept trying to report the death
