@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from importlib import resources
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import asyncpg
 
@@ -72,32 +73,84 @@ async def migrate(pool: asyncpg.Pool) -> list[int]:
     return applied
 
 
+# SQLSTATE classes and codes after which the same write can succeed: connection loss (08),
+# serialization failure and deadlock (40001, 40P01), resources (53), operator intervention
+# such as a cancelled query or a shutting-down server (57, not 57P04 "database dropped"),
+# system and I/O errors (58), a lock not available now (55P03).
+_TRANSIENT_CLASSES = ("08", "53", "57", "58")
+_TRANSIENT_CODES = ("40001", "40P01", "55P03")
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether retrying the same statement later can succeed (Postgres down, restarting, busy)."""
+    if isinstance(exc, OSError | TimeoutError | asyncpg.InterfaceError):
+        return True
+    if isinstance(exc, asyncpg.PostgresError):
+        state = str(getattr(exc, "sqlstate", "") or "")
+        if state == "57P04":
+            return False
+        return state.startswith(_TRANSIENT_CLASSES) or state in _TRANSIENT_CODES
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """How a durable writer retries a failed batch: capped exponential delays, forever while the
+    error is transient, ``permanent_tries`` times in all when it is not."""
+
+    first_s: float = 0.05
+    max_s: float = 2.0
+    permanent_tries: int = 5
+
+
+class WriterFailed(ServiceDead):
+    """A durable writer met an error that retrying does not cure; it stopped."""
+
+
 class GroupCommit(Generic[T, R]):
     """Batch concurrent writes into one call of ``flush(batch) -> results``.
 
     The first item flushes at once; items that arrive while a flush runs form the next
-    batch (up to ``max_batch``). Each caller awaits its own result. A failing flush fails
-    every caller of that batch with the error, and later batches are tried afresh.
+    batch (up to ``max_batch``). Each caller awaits its own result.
+
+    Without ``retry`` a failing flush fails every caller of that batch with
+    :class:`Unavailable`, and later batches are tried afresh (the callers have promised
+    nothing yet and can retry). With ``retry`` the writer is *durable*: a failed batch is
+    retried, in order, until it commits, and its callers are resolved only then; an error
+    that retrying does not cure stops the writer (:class:`WriterFailed`), which its owner
+    must treat as fatal (see :meth:`join`). Flushes must therefore be idempotent.
     """
 
     def __init__(
-        self, flush: Callable[[Sequence[T]], Awaitable[Sequence[R]]], *, max_batch: int = 512
+        self,
+        flush: Callable[[Sequence[T]], Awaitable[Sequence[R]]],
+        *,
+        max_batch: int = 512,
+        retry: Backoff | None = None,
+        name: str = "group-commit",
     ) -> None:
         self._flush = flush
         self._max = max_batch
+        self._retry = retry
+        self._name = name
         self._items: list[tuple[T, asyncio.Future[R]]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self.batches = 0
+        self.retries = 0
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="group-commit")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=self._name)
+
+    @property
+    def running(self) -> bool:
+        return not self._closed and self._task is not None and not self._task.done()
 
     def enqueue(self, item: T) -> asyncio.Future[R]:
         """Queue ``item``; the future resolves when its batch is committed."""
-        if self._closed or self._task is None or self._task.done():
-            raise ServiceDead("the database writer is not running")
+        if not self.running:
+            raise ServiceDead(f"the database writer {self._name} is not running")
         fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._items.append((item, fut))
         self._wake.set()
@@ -107,12 +160,27 @@ class GroupCommit(Generic[T, R]):
         """Queue ``item`` and wait until its batch is committed."""
         return await asyncio.shield(self.enqueue(item))
 
-    async def close(self) -> None:
-        """Flush what is queued, then stop."""
+    async def join(self) -> None:
+        """Wait until the writer stops; re-raise what stopped it, if anything did."""
+        if self._task is not None:
+            await asyncio.wait([self._task])
+            if not self._task.cancelled():
+                self._task.result()
+
+    async def close(self, timeout_s: float | None = None) -> None:
+        """Flush what is queued, then stop; after ``timeout_s`` stop anyway (the callers left
+        waiting get :class:`ServiceDead`)."""
         self._closed = True
         self._wake.set()
-        if self._task is not None:
-            await self._task
+        if self._task is None:
+            return
+        _done, pending = await asyncio.wait([self._task], timeout=timeout_s)
+        if pending:
+            log.warning("%s: stopping with %d writes not committed", self._name, len(self._items))
+            self._task.cancel()
+            await asyncio.wait([self._task])
+        _fail(self._items, ServiceDead("the database writer was stopped"))
+        self._items = []
 
     async def _run(self) -> None:
         while True:
@@ -126,34 +194,58 @@ class GroupCommit(Generic[T, R]):
 
     async def _flush_batch(self, batch: list[tuple[T, asyncio.Future[R]]]) -> None:
         try:
-            results = await self._flush([item for item, _ in batch])
+            results = await self._commit([item for item, _ in batch])
         except asyncio.CancelledError:
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(ServiceDead("the database writer was stopped"))
+            _fail(batch, ServiceDead("the database writer was stopped"))
+            raise
+        except WriterFailed as exc:
+            _fail(batch + self._items, exc)
+            self._items = []
             raise
         except Exception as exc:
             log.warning("group commit of %d items failed: %s", len(batch), exc)
-            error = Unavailable(f"database write failed: {exc}")
-            for _, fut in batch:
-                if not fut.done() and not fut.cancelled():
-                    fut.set_exception(error)
-                    fut.exception()  # retrieved here: callers that stopped waiting don't warn
+            _fail(batch, Unavailable(f"database write failed: {exc}"))
             return
         self.batches += 1
         for (_, fut), result in zip(batch, results, strict=True):
             if not fut.done():
                 fut.set_result(result)
 
+    async def _commit(self, items: list[T]) -> Sequence[R]:
+        """One flush; a durable writer retries it until it commits."""
+        if self._retry is None:
+            return await self._flush(items)
+        delay, tries = self._retry.first_s, 0
+        while True:
+            try:
+                return await self._flush(items)
+            except Exception as exc:
+                tries += 1
+                if not transient(exc) and tries >= self._retry.permanent_tries:
+                    raise WriterFailed(f"{self._name}: write failed {tries} times: {exc}") from exc
+                self.retries += 1
+                log.warning("%s: write of %d items failed (%s); retrying in %.2fs",
+                            self._name, len(items), exc, delay)  # fmt: skip
+            await asyncio.sleep(delay)
+            delay = min(self._retry.max_s, delay * 2)
+
+
+def _fail(batch: Sequence[tuple[object, asyncio.Future[Any]]], error: Exception) -> None:
+    for _, fut in batch:
+        if not fut.done():
+            fut.set_exception(error)
+            fut.exception()  # retrieved here: callers that stopped waiting don't warn
+
 
 async def retrying(op: Callable[[], Awaitable[R]], *, what: str, max_delay_s: float = 2.0) -> R:
-    """Run ``op`` until it succeeds, backing off while Postgres is unreachable."""
+    """Run ``op`` until it succeeds, backing off while Postgres is unreachable or restarting."""
     delay = 0.05
     while True:
         try:
             return await op()
-        except (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
-                asyncpg.exceptions.CannotConnectNowError) as exc:  # fmt: skip
+        except Exception as exc:
+            if not transient(exc):
+                raise
             log.warning("%s: Postgres unavailable (%s); retrying in %.2fs", what, exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(max_delay_s, delay * 2)
+        await asyncio.sleep(delay)
+        delay = min(max_delay_s, delay * 2)

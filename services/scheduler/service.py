@@ -1,9 +1,12 @@
 """The scheduler shell: feeds NATS events and time into the pure core and carries out its effects.
 
 Ordering: every handler changes the core synchronously before its first ``await``, so the core
-sees events in arrival order. Durability: results are pushed to clients at once and written to
-Postgres by a group-commit writer; a node's completion is acked only after its record is
-committed, so a crash in between makes the node re-send it.
+sees events in arrival order, and queues its node commands before that ``await`` too, so they
+leave in the order the core decided them. Durability: two durable group-commit writers retry a
+failed batch until it commits. A dispatch is sent only once its ``started`` record is committed
+(a restarted scheduler never rebuilds as queued an action a node may run). Results are pushed to
+clients at once; a node's completion (and a client's cancel) is acked only after the terminal
+record is committed, so a crash in between makes the node re-send it.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import asyncpg
@@ -50,9 +55,21 @@ from tangram.contract import (
     SchedulerStatus,
     StatusQuery,
 )
+from tangram.errors import TangramError
 from tangram.runtime import Service
 
 log = logging.getLogger(__name__)
+
+WRITE_RETRY = db.Backoff(first_s=0.02, max_s=2.0)
+NodeEffect = StartOnNode | KillOnNode | DropEnvOnNode
+
+
+@dataclass(frozen=True, slots=True)
+class _Command:
+    """A message for a node agent; a dispatch leaves only once its ``started`` record is durable."""
+
+    effect: NodeEffect
+    recorded: asyncio.Future[None] | None = None
 
 
 class Scheduler(Service):
@@ -72,8 +89,10 @@ class Scheduler(Service):
         self.epoch = 0
         self.bus: Bus | None = None
         self.pool: asyncpg.Pool | None = None
-        self.writer: db.GroupCommit[store.Record, None] | None = None
+        self.starts: db.GroupCommit[store.Record, None] | None = None  # synchronous_commit off
+        self.records: db.GroupCommit[store.Record, None] | None = None  # terminal and env records
         self.pending: dict[str, asyncio.Future[None]] = {}  # finish records not yet committed
+        self._commands: asyncio.Queue[_Command] = asyncio.Queue()
         self._dirty = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -83,9 +102,8 @@ class Scheduler(Service):
         await db.migrate(self.pool)
         self.epoch = await store.next_epoch(self.pool)
         await self._rebuild()
-        pool = self.pool
-        self.writer = db.GroupCommit(lambda batch: self._write(pool, batch), max_batch=1024)
-        self.writer.start()
+        self.starts = self._writer("started-writer")
+        self.records = self._writer("record-writer")
         self.bus = await Bus.connect(self.mesh.nats_url, "scheduler")
         self.bus.serve(subjects.SCHED_ACTIONS, SchedulerRequest, self.on_action,
                        queue=subjects.SCHEDULER_QUEUE, max_in_flight=100_000)  # fmt: skip
@@ -94,6 +112,7 @@ class Scheduler(Service):
         await self.bus.start()
         self.core.hold_until(self.clock() + self.cfg.reconcile_grace_s)
         await self.bus.publish(subjects.NODES_BROADCAST, Reconcile(epoch=self.epoch))
+        self.spawn(self._command_loop(), "commands")
         self.spawn(self._decide_loop(), "decide")
         self.spawn(self._tick_loop(), "tick")
         self.spawn(self._sweep_loop(), "sweep")
@@ -102,8 +121,8 @@ class Scheduler(Service):
     async def on_stop(self, grace_s: float) -> None:
         if self.bus is not None:
             await self.bus.stop_serving(grace_s)
-        if self.writer is not None:
-            await self.writer.close()
+        writers = [w for w in (self.starts, self.records) if w is not None]
+        await asyncio.gather(*(w.close(grace_s) for w in writers))
         if self.bus is not None:
             await self.bus.close()
         if self.pool is not None:
@@ -124,8 +143,17 @@ class Scheduler(Service):
                 self.core.enqueue(row.action, now)
         log.info("rebuilt: %s", self.core.snapshot())
 
-    async def _write(self, pool: asyncpg.Pool, batch: Any) -> list[None]:
-        return await db.retrying(lambda: store.write(pool, batch, self.clock()), what="record")
+    def _writer(self, name: str) -> db.GroupCommit[store.Record, None]:
+        """A durable writer; if it stops on an error retrying cannot cure, the service stops."""
+        writer: db.GroupCommit[store.Record, None] = db.GroupCommit(
+            partial(self._write, self.pool), max_batch=1024, retry=WRITE_RETRY, name=name
+        )
+        writer.start()
+        self.spawn(writer.join(), name)
+        return writer
+
+    async def _write(self, pool: asyncpg.Pool, batch: Sequence[store.Record]) -> list[None]:
+        return await store.write(pool, batch, self.clock())
 
     # ------------------------------------------------------------------ handlers
 
@@ -137,9 +165,12 @@ class Scheduler(Service):
                 self._dirty.set()
                 return None
             case CloseEnvCmd(trajectory_id=tid):
-                await self.apply(self.core.close_env(tid, now))
+                effects = self.core.close_env(tid, now)
+                await self.apply(effects)
+                await self._recorded([e.result.action_id for e in effects if isinstance(e, Finish)])
             case CancelCmd(action_id=aid):
                 await self.apply(self.core.cancel(aid, now))
+                await self._recorded([aid])
             case StatusQuery():
                 return SchedulerStatus(epoch=self.epoch, policy=self.core.policy.name,
                                        **self.core.snapshot())  # fmt: skip
@@ -166,47 +197,86 @@ class Scheduler(Service):
         effects = self.core.complete(c.node_id, c.incarnation, c.attempt, c.result, now)
         self._dirty.set()
         await self.apply(effects)
-        pending = self.pending.get(aid)
-        if pending is not None:
-            await asyncio.shield(pending)  # ack only once the terminal record is committed
+        await self._recorded([aid])  # a duplicate waits too: ack only what is committed
         return Ack()
+
+    async def _recorded(self, action_ids: list[str]) -> None:
+        """Wait until these actions' terminal records are committed (raises if they cannot be)."""
+        for aid in action_ids:
+            pending = self.pending.get(aid)
+            if pending is not None:
+                await asyncio.shield(pending)
 
     # ------------------------------------------------------------------ effects
 
     async def apply(self, effects: list[Effect]) -> None:
+        """Record the effects and queue node commands (before any ``await``), then push results."""
         assert self.bus is not None
-        assert self.writer is not None
         for e in effects:
-            match e:
-                case StartOnNode():
-                    self.writer.enqueue(store.Started(e, self.clock()))
-                    cmd = Dispatch(
-                        action=e.action, cores=e.cores, epoch=self.epoch, incarnation=e.incarnation
-                    )
-                    await self.bus.publish(subjects.node(e.node_id), cmd,
-                                           traceparent=e.action.traceparent)  # fmt: skip
-                case Finish():
-                    self._finish(e)
-                    if e.action.reply_subject:
-                        await self.bus.publish(e.action.reply_subject, e.result,
-                                               traceparent=e.action.traceparent)  # fmt: skip
-                case KillOnNode():
-                    kill = Kill(action_id=e.action_id, epoch=self.epoch, reason=e.reason)
-                    await self.bus.publish(subjects.node(e.node_id), kill)
-                case DropEnvOnNode():
-                    drop = DropEnv(trajectory_id=e.trajectory_id, epoch=self.epoch)
-                    await self.bus.publish(subjects.node(e.node_id), drop)
-                case EnvChanged():
-                    self.writer.enqueue(e)
+            self._queue(e)
+        for e in effects:
+            if isinstance(e, Finish) and e.action.reply_subject:
+                await self.bus.publish(e.action.reply_subject, e.result,
+                                       traceparent=e.action.traceparent)  # fmt: skip
+
+    def _queue(self, e: Effect) -> None:
+        assert self.starts is not None
+        assert self.records is not None
+        match e:
+            case StartOnNode():
+                started = self.starts.enqueue(store.Started(e, self.clock()))
+                self._commands.put_nowait(_Command(e, started))
+            case KillOnNode() | DropEnvOnNode():
+                self._commands.put_nowait(_Command(e))
+            case Finish():
+                self._finish(e)
+            case EnvChanged():
+                self.records.enqueue(e)
 
     def _finish(self, e: Finish) -> None:
-        assert self.writer is not None
+        assert self.records is not None
         aid = e.result.action_id
-        fut = self.writer.enqueue(e)
+        fut = self.records.enqueue(e)
         self.pending[aid] = fut
-        fut.add_done_callback(lambda _f: self.pending.pop(aid, None))
+        fut.add_done_callback(partial(self._forget, aid))
+
+    def _forget(self, aid: str, fut: asyncio.Future[None]) -> None:
+        """A committed record needs no more waiting; a failed one keeps failing every resend."""
+        if not fut.cancelled() and fut.exception() is None and self.pending.get(aid) is fut:
+            del self.pending[aid]
+
+    async def _send(self, e: NodeEffect) -> None:
+        assert self.bus is not None
+        match e:
+            case StartOnNode():
+                if self._still_assigned(e):
+                    cmd = Dispatch(action=e.action, cores=e.cores, epoch=self.epoch,
+                                   incarnation=e.incarnation)  # fmt: skip
+                    await self.bus.publish(subjects.node(e.node_id), cmd,
+                                           traceparent=e.action.traceparent)  # fmt: skip
+            case KillOnNode():
+                kill = Kill(action_id=e.action_id, epoch=self.epoch, reason=e.reason)
+                await self.bus.publish(subjects.node(e.node_id), kill)
+            case DropEnvOnNode():
+                drop = DropEnv(trajectory_id=e.trajectory_id, epoch=self.epoch)
+                await self.bus.publish(subjects.node(e.node_id), drop)
+
+    def _still_assigned(self, e: StartOnNode) -> bool:
+        """While its record committed, the attempt may have been redone or its node lost."""
+        run = self.core.running.get(e.action.spec.action_id)
+        return (
+            run is not None and run.node_id == e.node_id and run.action.attempt == e.action.attempt
+        )
 
     # ------------------------------------------------------------------ loops
+
+    async def _command_loop(self) -> None:
+        """Send node commands in the core's order; a dispatch once its start is committed."""
+        while True:
+            cmd = await self._commands.get()
+            if cmd.recorded is not None and not await _committed(cmd.recorded):
+                continue
+            await self._send(cmd.effect)
 
     async def _decide_loop(self) -> None:
         """Coalesce events into scheduling passes."""
@@ -238,3 +308,12 @@ class Scheduler(Service):
             if fresh:
                 log.info("sweep picked up %d queued actions", len(fresh))
                 self._dirty.set()
+
+
+async def _committed(fut: asyncio.Future[None]) -> bool:
+    try:
+        await asyncio.shield(fut)
+    except TangramError as exc:
+        log.warning("not dispatching: its start was not recorded (%s)", exc)
+        return False
+    return True
