@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo up test test-fast lint typecheck bench bench-throughput bench-scheduler bench-docker docker-engine clean
+.PHONY: setup demo up sandbox-image test test-fast lint typecheck bench bench-throughput bench-scheduler bench-docker docker-engine clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,9 @@ demo: setup  ## an embedded mesh running a small AI-coding rollout
 
 up: setup  ## the whole mesh on this machine; Ctrl-C stops it
 	$(BIN)/tangram up
+
+sandbox-image: setup  ## build tangram-sandbox:latest offline (`tangram up` also builds it when absent)
+	$(BIN)/tangram sandbox-image
 
 docker-engine:  ## install a Docker engine and a compose tool if absent (tests start their own dockerd)
 	bash scripts/docker-engine.sh

@@ -1,6 +1,7 @@
 """``tangram``: the command line, and the one composition root of the project.
 
 tangram up        the whole mesh on this machine (embedded NATS + Postgres)
+tangram sandbox-image   build the default Docker sandbox image offline (docker import)
 tangram service   one service against given NATS/Postgres URLs
 tangram exec      run one action from a shell
 tangram demo      an embedded mesh running a small AI-coding rollout, with a report
@@ -35,11 +36,25 @@ def _mesh_opts(args: argparse.Namespace) -> Any:
     )  # fmt: skip
 
 
+async def _cpu_backend(args: argparse.Namespace) -> tuple[str, str]:
+    """The CPU backend the node agents will run and the one line that says which and why.
+    On a Docker engine without the default sandbox image, that image is built first."""
+    from services.cpu_manager.backends import choose
+    from services.cpu_manager.config import load_own
+
+    cfg = load_own({"backend": args.backend, "state_dir": args.state_dir})
+    choice = await choose(cfg, build_image=True)
+    return choice.backend, choice.line
+
+
 async def cmd_up(args: argparse.Namespace) -> int:
     from tangram.bus import Bus
     from tangram.launcher import Mesh
 
-    mesh = Mesh(_mesh_opts(args))
+    opts = _mesh_opts(args)
+    opts.backend, line = await _cpu_backend(args)  # the agents run what this line says
+    print(f"{'cpu':<11} {line}", flush=True)
+    mesh = Mesh(opts)
     stop = asyncio.Event()
     runtime.install_signals(stop)
     try:
@@ -128,6 +143,21 @@ async def cmd_exec(args: argparse.Namespace) -> int:
     return res.exit_code if res.exit_code is not None else 1
 
 
+async def cmd_sandbox_image(args: argparse.Namespace) -> int:
+    from services.cpu_manager import sandbox_image
+    from services.cpu_manager.config import load_own
+    from services.cpu_manager.docker_engine import DockerFailure
+
+    host = args.docker_host if args.docker_host is not None else load_own().docker_host
+    try:
+        version = await asyncio.to_thread(sandbox_image.build, host, args.image)
+    except DockerFailure as exc:
+        print(f"tangram: cannot build {args.image}: {exc.detail}", file=sys.stderr)
+        return 1
+    print(f"built {args.image} on Docker engine {version}: {sandbox_image.DESCRIPTION}")
+    return 0
+
+
 async def cmd_demo(args: argparse.Namespace) -> int:
     from tangram.demo import DemoOptions, run_demo
 
@@ -168,6 +198,9 @@ def parser() -> argparse.ArgumentParser:
     ep.add_argument("--cpus", default="1", help="N or MIN-MAX")
     ep.add_argument("--timeout", type=float, default=600.0)
     ep.add_argument("command", nargs=argparse.REMAINDER)
+    ip = sub.add_parser("sandbox-image", help="build the default Docker sandbox image offline")
+    ip.add_argument("--image", default="tangram-sandbox:latest", help="tag to build")
+    ip.add_argument("--docker-host", default=None, help="default: TANGRAM_CPU_DOCKER_HOST")
     dp = sub.add_parser("demo", help="AI-coding rollout on an embedded mesh")
     _mesh_args(dp)
     dp.add_argument("--trajectories", type=int, default=32)
@@ -187,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         args.command = args.command[1:]
     runtime.setup_logging(args.log_level.upper())
     telemetry.setup(f"tangram-{args.cmd}", os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
-    commands = {"up": cmd_up, "service": cmd_service, "exec": cmd_exec, "demo": cmd_demo}
+    commands = {"up": cmd_up, "service": cmd_service, "exec": cmd_exec, "demo": cmd_demo,
+                "sandbox-image": cmd_sandbox_image}  # fmt: skip
     try:
         return uvloop.run(commands[args.cmd](args))
     except TangramError as exc:

@@ -1,57 +1,99 @@
 """Choose the node's execution backend: Docker when an engine answers (and has the sandbox
-image), the non-isolating process backend otherwise. Says which, in one line."""
+image), the non-isolating process backend otherwise. Says which, in one line.
+
+``choose`` is shared by the node agent and ``tangram up`` (which prints the line, may build the
+default sandbox image first, and then starts the agents with the backend it chose).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
+from typing import Literal
 
-from services.cpu_manager import docker_engine
+from services.cpu_manager import docker_engine, sandbox_image
 from services.cpu_manager.backend import Backend
-from services.cpu_manager.config import CpuManagerConfig
+from services.cpu_manager.config import CpuManagerConfig, split_list
 from services.cpu_manager.docker_backend import DockerBackend
 from services.cpu_manager.docker_config import DockerConfig
+from services.cpu_manager.docker_engine import DockerFailure
 from services.cpu_manager.process_backend import ProcessBackend, ProcessConfig
 from tangram.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
+PROBE_TIMEOUT_S = 2.0
 
-def _image_present(cfg: DockerConfig) -> bool:
-    """Blocking: True when the engine has the default sandbox image."""
-    engine = docker_engine.Engine(cfg)
-    try:
-        engine.connect()
-        engine.api.inspect_image(cfg.default_image)
-        return True
-    except Exception:
-        return False
-    finally:
-        engine.close()
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The backend to run and the one line that says which and why."""
+
+    backend: Literal["docker", "process"]
+    line: str
 
 
 def docker_config(cfg: CpuManagerConfig, incarnation: str) -> DockerConfig:
+    """The Docker backend's config from the node agent's."""
     return DockerConfig(
         root=str(cfg.env_root()), docker_host=cfg.docker_host, node_id=cfg.node_id,
-        incarnation=incarnation, default_image=cfg.image, warm_pool=cfg.warm_pool,
-        max_envs=cfg.max_envs, mounts=tuple(m for m in cfg.mounts.split(",") if m),
+        incarnation=incarnation, default_image=cfg.image, exec_mode=cfg.exec_mode,
+        cpuset_via=cfg.cpuset_via, pids_limit=cfg.pids_limit, network_mode=cfg.network_mode,
+        warm_pool=cfg.warm_pool, pool_images=split_list(cfg.pool_images),
+        max_envs=cfg.max_envs, mounts=split_list(cfg.mounts),
     )  # fmt: skip
+
+
+def _fallback(cfg: CpuManagerConfig, why: str) -> Choice:
+    if cfg.backend == "docker":
+        raise Unavailable(f"docker backend requested but {why}")
+    return Choice("process", f"process backend ({why}; NOT isolated)")
+
+
+def _missing_image(cfg: CpuManagerConfig) -> str:
+    if cfg.image == sandbox_image.TAG:
+        return f"image {cfg.image} missing; `tangram sandbox-image` builds it"
+    return (f"image {cfg.image} missing; load it into the engine, or unset TANGRAM_CPU_IMAGE "
+            f"to use {sandbox_image.TAG} (`tangram sandbox-image` builds that)")  # fmt: skip
+
+
+async def _ensure_image(cfg: CpuManagerConfig, build: bool) -> tuple[bool, str]:
+    """(present now, how it got there). Only the default sandbox image is ever built."""
+    if await asyncio.to_thread(sandbox_image.present, cfg.docker_host, cfg.image):
+        return True, ""
+    if not build or cfg.image != sandbox_image.TAG:
+        return False, ""
+    await asyncio.to_thread(sandbox_image.build, cfg.docker_host, cfg.image)
+    return True, f"; built just now: {sandbox_image.DESCRIPTION}"
+
+
+async def choose(cfg: CpuManagerConfig, *, build_image: bool = False) -> Choice:
+    """Docker or process, and why; with ``build_image`` a missing default image is built."""
+    if cfg.backend == "process":
+        return Choice("process", "process backend (as configured; NOT isolated)")
+    version = await asyncio.to_thread(docker_engine.probe, cfg.docker_host, PROBE_TIMEOUT_S)
+    if version is None:
+        where = cfg.docker_host or "the default socket"
+        return _fallback(cfg, f"no Docker engine answers at {where}")
+    try:
+        present, built = await _ensure_image(cfg, build_image)
+    except DockerFailure as exc:
+        return _fallback(cfg, f"image {cfg.image} unavailable: {exc.detail}")
+    if not present:
+        return _fallback(cfg, _missing_image(cfg))
+    mode = f"exec via {cfg.exec_mode}"
+    return Choice("docker", f"docker backend (engine {version}, image {cfg.image}, {mode}{built})")
 
 
 async def make_backend(cfg: CpuManagerConfig, incarnation: str) -> tuple[Backend, str]:
     """The backend to use and the one line that says why."""
     if cfg.backend not in ("auto", "process", "docker"):
         raise Unavailable(f"unknown backend {cfg.backend!r}; use auto, process or docker")
+    choice = await choose(cfg)
+    if choice.backend == "docker":
+        return DockerBackend(docker_config(cfg, incarnation)), choice.line
     process = ProcessBackend(
         ProcessConfig(root=cfg.env_root(), node_id=cfg.node_id, incarnation=incarnation)
     )
-    if cfg.backend == "process":
-        return process, "process backend (as configured; NOT isolated)"
-    dcfg = docker_config(cfg, incarnation)
-    version = await asyncio.to_thread(docker_engine.probe, cfg.docker_host, 2.0)
-    if version is None or not await asyncio.to_thread(_image_present, dcfg):
-        why = "no Docker engine answers" if version is None else f"image {cfg.image} missing"
-        if cfg.backend == "docker":
-            raise Unavailable(f"docker backend requested but {why}")
-        return process, f"process backend ({why}; NOT isolated)"
-    return DockerBackend(dcfg), f"docker backend (engine {version}, image {cfg.image})"
+    return process, choice.line

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from services.cpu_manager import cgroup, executor_client
 from services.cpu_manager.backend import EnvFailure, ExecOutcome, ExecRequest
@@ -33,10 +33,16 @@ from services.cpu_manager.docker_engine import (
     ContainerSpec,
     DockerFailure,
     Engine,
+    ExecutorUnavailable,
     remove_dir,
 )
 from services.cpu_manager.docker_pool import WarmPool
-from services.cpu_manager.docker_run import ActionRun, exec_via_docker, exec_via_executor
+from services.cpu_manager.docker_run import (
+    ActionRun,
+    exec_via_docker,
+    exec_via_executor,
+    oom_checked,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,10 +69,20 @@ class Env:
     trajectory_id: str = ""
     last_used: float = 0.0
     active: dict[str, tuple[int, ...]] = field(default_factory=dict)  # action -> cores
+    cpu_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # orders its `docker update`s
 
     @property
     def image(self) -> str:
         return self.spec.image
+
+    @property
+    def exec_mode(self) -> str:
+        """How actions reach this container: "executor" or "docker_exec"."""
+        return self.spec.exec_mode
+
+    def cores(self) -> tuple[int, ...]:
+        """The cores of every action running here now."""
+        return tuple(sorted({c for cs in self.active.values() for c in cs}))
 
 
 def _visible(pid: int) -> int:
@@ -97,6 +113,7 @@ class DockerBackend:
         self._creating: dict[str, asyncio.Future[Env]] = {}
         self._lost: dict[str, str] = {}
         self._runs: dict[str, ActionRun] = {}
+        self._exec_modes: dict[str, str] = {}  # image -> "docker_exec" where the executor failed
         self._ledger = CoreLedger()
         self._cleanup: set[asyncio.Task[None]] = set()
         self.pool = WarmPool(self)
@@ -177,12 +194,17 @@ class DockerBackend:
         busy = self._ledger.claim(req.action_id, req.cores) if self.cfg.exclusive_cores else []
         if busy:
             return failed(EnvFailure.INTERNAL, f"cores {busy} are held by another action")
+        run = ActionRun(req)
+        self._runs[req.action_id] = run  # before its container exists: a kill meanwhile counts
         try:
             env = await self._env_for(req)
-            return await self._run_in(env, req)
+            return await self._run_in(env, run)
         except DockerFailure as exc:
+            if run.kill_reason is not None:
+                return failed(run.kill_reason, f"killed on request ({exc.detail})", started)
             return failed(exc.failure, exc.detail, started)
         finally:
+            del self._runs[req.action_id]
             self._ledger.release(req.action_id)
 
     async def kill(self, action_id: str, reason: EnvFailure = EnvFailure.KILLED) -> bool:
@@ -199,14 +221,17 @@ class DockerBackend:
         return True
 
     async def drop_env(self, trajectory_id: str) -> None:
-        """Remove a trajectory's container and its files."""
+        """Kill a trajectory's actions, remove its container and files; a container still being
+        made for it is waited for, then removed too."""
         self._lost.pop(trajectory_id, None)
+        for run in [r for r in self._runs.values() if r.req.trajectory_id == trajectory_id]:
+            await self.kill(run.req.action_id)
+        pending = self._creating.get(trajectory_id)
+        if pending is not None:
+            await asyncio.wait({pending})  # its outcome is the creator's to report
         env = self._envs.pop(trajectory_id, None)
-        if env is None:
-            return
-        for action_id in list(env.active):
-            await self.kill(action_id)
-        await self._remove(env)
+        if env is not None:
+            await self._remove(env)
 
     # ---------------------------------------------------------------- environments
 
@@ -264,35 +289,54 @@ class DockerBackend:
         env.memory_mb = memory_mb
 
     async def create(self, image: str, memory_mb: int, network: bool) -> Env:
-        """Make, start and (executor mode) wait for a new container."""
+        """Make and start a new container; an image whose executor cannot start (no python3)
+        gets ``docker exec`` instead, for this and every later container of it."""
+        mode = self._exec_modes.get(image, self.cfg.exec_mode)
+        try:
+            return await self._create(image, memory_mb, network, mode)
+        except ExecutorUnavailable as exc:
+            log.warning("%s; environments of %s use docker exec", exc.detail, image)
+            self._exec_modes[image] = "docker_exec"
+            self.stats["executor_fallbacks"] += 1
+            return await self._create(image, memory_mb, network, "docker_exec")
+
+    async def _create(self, image: str, memory_mb: int, network: bool, mode: str) -> Env:
         name = f"tg-{self.cfg.node_id[:24]}-{uuid.uuid4().hex[:10]}"
         labels = {LABEL_NODE: self.cfg.node_id, LABEL_INCARNATION: self.cfg.incarnation}
-        spec = ContainerSpec(name, image, memory_mb, network, self.root / name, labels)
+        spec = ContainerSpec(name, image, memory_mb, network, self.root / name, labels, mode)
         if len(str(spec.socket_path)) > MAX_SOCKET_PATH:
             raise DockerFailure(EnvFailure.INTERNAL, f"socket path too long: {spec.socket_path}")
         try:
             started = await self.call(self.engine.create, spec)
         except DockerFailure:
-            with contextlib.suppress(DockerFailure):
-                await self.call(self.engine.remove, name)
-            await self.call(remove_dir, spec.host_dir)
+            await self._discard(name, spec.host_dir)
             raise
-        found = self._locate(started.pid)
+        try:
+            found = self._locate(started.pid)
+        except DockerFailure:
+            await self._discard(started.container_id, spec.host_dir)
+            raise
         pin = found is not None and self.cfg.cpuset_via != "docker"
         env = Env(spec, started.container_id, found, memory_mb, pin, _visible(started.pid))
-        try:
-            if self.cfg.exec_mode == "executor":
-                await executor_client.wait_ready(
-                    spec.socket_path, self.cfg.ready_timeout_s, env.init_pid
-                )
-        except executor_client.ExecutorGone as exc:
-            logs = await self.call(self.engine.logs_tail, env.container_id)
-            await self._remove(env)
-            raise DockerFailure(
-                EnvFailure.INTERNAL, f"executor in {image} did not start: {exc}; logs: {logs}"
-            ) from exc
+        if mode == "executor":
+            await self._wait_executor(env)
         self.stats["created"] += 1
         return env
+
+    async def _wait_executor(self, env: Env) -> None:
+        """Until the executor answers; if it exited instead, the image cannot run it."""
+        try:
+            await executor_client.wait_ready(
+                env.spec.socket_path, self.cfg.ready_timeout_s, env.init_pid
+            )
+        except executor_client.ExecutorGone as exc:
+            state = await self.call(self.engine.state, env.container_id)
+            logs = await self.call(self.engine.logs_tail, env.container_id)
+            await self._remove(env)
+            detail = f"executor in {env.image} did not start: {exc}; logs: {logs}"
+            if state is not None and not state.get("Running"):
+                raise ExecutorUnavailable(detail) from exc
+            raise DockerFailure(EnvFailure.INTERNAL, detail) from exc
 
     def _locate(self, pid: int) -> cgroup.ContainerCgroup | None:
         found = cgroup.locate(pid, Path(self.cfg.cgroup_root))
@@ -313,11 +357,15 @@ class DockerBackend:
         task.add_done_callback(self._cleanup.discard)
 
     async def _remove(self, env: Env) -> None:
+        await self._discard(env.container_id, env.spec.host_dir)
+
+    async def _discard(self, container: str, host_dir: Path) -> None:
+        """Remove a container (by id or name) and its host directory."""
         try:
-            await self.call(self.engine.remove, env.container_id)
+            await self.call(self.engine.remove, container)
         except DockerFailure as exc:
-            log.warning("could not remove %s: %s", env.spec.name, exc.detail)
-        await self.call(remove_dir, env.spec.host_dir)
+            log.warning("could not remove %s: %s", container[:24], exc.detail)
+        await self.call(remove_dir, host_dir)
 
     async def diagnose(self, env: Env, why: str) -> tuple[EnvFailure, str]:
         """After the executor or exec failed: is the container dead, OOM-killed, or hung?"""
@@ -334,67 +382,75 @@ class DockerBackend:
 
     # ---------------------------------------------------------------- actions
 
-    async def _run_in(self, env: Env, req: ExecRequest) -> ExecOutcome:
-        run = ActionRun(req)
-        self._runs[req.action_id] = run
+    async def _run_in(self, env: Env, run: ActionRun) -> ExecOutcome:
+        req = run.req
+        if run.kill_reason is not None:  # killed while its container was being made
+            return failed(run.kill_reason, "killed on request before it started")
         env.active[req.action_id] = req.cores
         env.last_used = self.clock()
         try:
             await self._pin(env)
-            ooms = env.cgroup.oom_kills() if env.cgroup is not None else None
-            if self.cfg.exec_mode == "executor":
-                outcome = await exec_via_executor(self, env, run)
-            else:
-                outcome = await exec_via_docker(self, env, run)
-            return self._oom_checked(env, outcome, ooms)
-        except DockerFailure as exc:
-            if run.kill_reason is None:
-                raise
-            return failed(run.kill_reason, f"killed on request ({exc.detail})")
+            if run.kill_reason is not None:  # killed while its cores were being set
+                return failed(run.kill_reason, "killed on request before it started")
+            return await self._exec(env, run)
         finally:
-            del self._runs[req.action_id]
             env.active.pop(req.action_id, None)
             env.last_used = self.clock()
             await self._unpin(env)
 
+    async def _exec(self, env: Env, run: ActionRun) -> ExecOutcome:
+        ooms = env.cgroup.oom_kills() if env.cgroup is not None else None
+        since = time.time()
+        if env.exec_mode == "executor":
+            outcome = await exec_via_executor(self, env, run)
+        else:
+            outcome = await exec_via_docker(self, env, run)
+        return await oom_checked(self, env, outcome, ooms, since)
+
     async def _pin(self, env: Env) -> None:
         """Set the container's cpuset and quota to the cores of its running actions."""
-        cores = tuple(sorted({c for cs in env.active.values() for c in cs}))
-        if env.cgroup is None or not env.pin_by_cgroup:
-            await self.call(self.engine.update_cpus, env.container_id, cores)
+        if env.cgroup is not None and env.pin_by_cgroup:
+            try:
+                env.cgroup.set_cpus(env.cores())  # a few cgroupfs writes: microseconds
+            except OSError as exc:
+                await self._unpinnable(env, f"cgroup write failed: {exc}", exc)
             return
         try:
-            env.cgroup.set_cpus(cores)  # a few cgroupfs writes: microseconds, fine on the loop
-        except OSError as exc:
-            failure, detail = await self.diagnose(env, f"cgroup write failed: {exc}")
-            self.quarantine(env, detail)
-            raise DockerFailure(failure, detail) from exc
+            async with env.cpu_lock:  # updates of one container land in the order they were asked
+                await self.call(self.engine.update_cpus, env.container_id, env.cores())
+        except DockerFailure as exc:
+            if exc.failure is EnvFailure.BACKEND_DOWN:
+                raise
+            await self._unpinnable(env, f"docker update failed: {exc.detail}", exc)
+
+    async def _unpinnable(self, env: Env, why: str, cause: Exception) -> NoReturn:
+        """Its cores could not be set: say why, quarantine the container, fail this action."""
+        failure, detail = await self.diagnose(env, why)
+        self.quarantine(env, detail)
+        raise DockerFailure(failure, detail) from cause
 
     async def _unpin(self, env: Env) -> None:
-        if env.cgroup is None or not env.pin_by_cgroup:
-            return
+        """After an action: keep only the cores still in use, or park the container so that
+        leftover background processes cannot run on cores granted to other actions."""
         if self._envs.get(env.trajectory_id) is not env:
+            return  # quarantined or dropped: it is going away
+        if not env.active and not self.cfg.park_idle:
             return
-        with contextlib.suppress(OSError):
-            if env.active:
-                env.cgroup.set_cpus(sorted({c for cs in env.active.values() for c in cs}))
-            elif self.cfg.park_idle:
-                env.cgroup.park()
-
-    def _oom_checked(self, env: Env, outcome: ExecOutcome, before: int | None) -> ExecOutcome:
-        if outcome.failure is not None or before is None or env.cgroup is None:
-            return outcome
-        after = env.cgroup.oom_kills()
-        if after is None or after <= before or outcome.exit_code not in (-9, 137):
-            return outcome
-        self.stats["oom_kills"] += 1
-        detail = f"killed by the kernel OOM killer: over the {env.memory_mb} MiB memory limit"
-        return ExecOutcome(
-            exit_code=outcome.exit_code, stdout=outcome.stdout, stderr=outcome.stderr,
-            stdout_truncated=outcome.stdout_truncated, stderr_truncated=outcome.stderr_truncated,
-            started_at=outcome.started_at, finished_at=outcome.finished_at,
-            failure=EnvFailure.OOM_KILLED, detail=detail,
-        )  # fmt: skip
+        if env.cgroup is not None and env.pin_by_cgroup:
+            with contextlib.suppress(OSError):
+                if env.active:
+                    env.cgroup.set_cpus(env.cores())
+                else:
+                    env.cgroup.park()
+            return
+        try:
+            async with env.cpu_lock:
+                if env.active:
+                    await self.call(self.engine.update_cpus, env.container_id, env.cores())
+                else:
+                    await self.call(self.engine.park, env.container_id)
+        except DockerFailure as exc:  # the next action's pin finds out what is wrong
+            log.info("could not park %s: %s", env.spec.name, exc.detail)
 
     def action_env(self, req: ExecRequest) -> dict[str, str]:
         """Variables every action sees, then the request's own."""

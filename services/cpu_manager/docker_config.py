@@ -41,7 +41,7 @@ class DockerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, fro
     threads: PositiveInt = 16  # Docker SDK calls run on this many threads, never on the loop
     ready_timeout_s: PositiveFloat = 15.0  # container start until its executor answers
     exec_grace_s: PositiveFloat = 5.0  # past timeout_s before an exec counts as hung
-    park_idle: bool = True  # throttle an env's CPU quota between actions (cgroup mode only)
+    park_idle: bool = True  # throttle an env's CPU quota to 1% of a core between actions
     exclusive_cores: bool = True  # refuse an action whose cores another action holds
     pool_retry_s: PositiveFloat = 2.0  # back-off after a failed warm-pool creation
 

@@ -25,7 +25,7 @@ from docker.constants import DEFAULT_DOCKER_API_VERSION, MINIMUM_DOCKER_API_VERS
 from docker.utils.socket import STDERR, frames_iter
 
 from services.cpu_manager.backend import EnvFailure
-from services.cpu_manager.cgroup import CFS_PERIOD_US, quota_us
+from services.cpu_manager.cgroup import CFS_PERIOD_US, PARK_QUOTA_US, quota_us
 from services.cpu_manager.cores import format_cpulist
 from services.cpu_manager.docker_config import DockerConfig
 
@@ -39,6 +39,14 @@ LABEL_NODE = "tangram.node"
 LABEL_INCARNATION = "tangram.incarnation"
 DEFAULT_UNIX_SOCKET = "unix:///var/run/docker.sock"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# An image labelled LABEL_ROOTFS=HOST_ROOTFS (the offline sandbox image, sandbox_image.py) is an
+# empty rootfs: its containers get these host dirs bound read-only. A fixed list, never paths
+# read from the label: an image chosen by a client cannot ask for more of the host.
+LABEL_ROOTFS = "tangram.rootfs"
+HOST_ROOTFS = "host-ro"
+HOST_SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc")
+# runc's words when a container's entrypoint cannot be executed (e.g. no python3 in the image)
+ENTRYPOINT_FAILED = ("unable to start container process", "executable file not found")
 
 
 class DockerFailure(Exception):
@@ -48,6 +56,13 @@ class DockerFailure(Exception):
         super().__init__(detail)
         self.failure = failure
         self.detail = detail
+
+
+class ExecutorUnavailable(DockerFailure):
+    """The in-container executor cannot run in this image (no usable interpreter)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(EnvFailure.INTERNAL, detail)
 
 
 def translate(exc: Exception, what: str) -> DockerFailure:
@@ -119,6 +134,7 @@ class ContainerSpec:
     network: bool
     host_dir: Path
     labels: dict[str, str] = field(default_factory=dict)
+    exec_mode: str = "executor"  # "executor": the executor is the entrypoint; "docker_exec"
 
     @property
     def socket_path(self) -> Path:
@@ -141,6 +157,7 @@ class Engine:
         self.cfg = cfg
         self._api: docker.APIClient | None = None
         self.executor_file = EXECUTOR_SOURCE
+        self._host_rootfs: dict[str, bool] = {}  # image -> built to borrow the host's dirs
 
     def install_executor(self, root: Path) -> None:
         """Copy the executor under ``root``: the one host path dockerd must see anyway."""
@@ -184,7 +201,7 @@ class Engine:
             created = self.api.create_container(
                 image=spec.image,
                 name=spec.name,
-                entrypoint=self._entrypoint(),
+                entrypoint=self._entrypoint(spec),
                 user=self.cfg.user or None,
                 working_dir=self.cfg.workdir,
                 environment={"HOME": self.cfg.workdir, "PATH": PATH, "LANG": "C.UTF-8"},
@@ -193,14 +210,25 @@ class Engine:
                 host_config=self.api.create_host_config(**self._host_config(spec)),
             )
             cid = created["Id"]
-            self.api.start(cid)
+            self._start(cid, spec)
             pid = int(self.api.inspect_container(cid)["State"]["Pid"])
         except Exception as exc:
             raise translate(exc, f"create {spec.name}") from exc
         return Started(cid, pid)
 
-    def _entrypoint(self) -> list[str]:
-        if self.cfg.exec_mode == "executor":
+    def _start(self, container_id: str, spec: ContainerSpec) -> None:
+        try:
+            self.api.start(container_id)
+        except docker.errors.APIError as exc:
+            text = str(exc.explanation or exc)
+            if spec.exec_mode == "executor" and any(w in text for w in ENTRYPOINT_FAILED):
+                raise ExecutorUnavailable(
+                    f"the executor cannot start in {spec.image} ({self.cfg.python}): {text}"
+                ) from exc
+            raise
+
+    def _entrypoint(self, spec: ContainerSpec) -> list[str]:
+        if spec.exec_mode == "executor":
             return [self.cfg.python, "-I", EXECUTOR_PATH, f"{CTL_DIR}/{SOCKET_NAME}"]
         return ["sleep", "infinity"]
 
@@ -210,6 +238,7 @@ class Engine:
             f"{spec.host_dir / 'ctl'}:{CTL_DIR}:rw",
             f"{self.executor_file}:{EXECUTOR_PATH}:ro",
             *(m if m.count(":") >= 2 else f"{m}:ro" for m in self.cfg.mounts),
+            *self._rootfs_binds(spec.image),
         ]
         return {
             "binds": binds,
@@ -225,6 +254,38 @@ class Engine:
             "cpu_period": CFS_PERIOD_US,
             "cpu_quota": quota_us(1),
         }
+
+    def _rootfs_binds(self, image: str) -> list[str]:
+        """The host's system dirs, read-only, for an image labelled as an empty host-ro rootfs
+        (minus container paths the configured mounts already cover)."""
+        if image not in self._host_rootfs:
+            labels = self.api.inspect_image(image).get("Config", {}).get("Labels") or {}
+            self._host_rootfs[image] = labels.get(LABEL_ROOTFS) == HOST_ROOTFS
+        if not self._host_rootfs[image]:
+            return []
+        taken = {m.split(":")[1] for m in self.cfg.mounts if ":" in m}
+        return [f"{d}:{d}:ro" for d in HOST_SYSTEM_DIRS if d not in taken and os.path.exists(d)]
+
+    def import_image(self, rootfs_tar: bytes, tag: str, changes: list[str]) -> None:
+        """``docker import`` a rootfs tarball as ``tag`` (no registry involved)."""
+        repo, _, version = tag.partition(":")
+        try:
+            self.api.import_image_from_data(
+                rootfs_tar, repository=repo, tag=version or "latest", changes=changes
+            )
+        except Exception as exc:
+            raise translate(exc, f"import {tag}") from exc
+        self._host_rootfs.pop(tag, None)
+
+    def has_image(self, image: str) -> bool:
+        """True when the engine has ``image``."""
+        try:
+            self.api.inspect_image(image)
+        except docker.errors.ImageNotFound:
+            return False
+        except Exception as exc:
+            raise translate(exc, f"inspect image {image}") from exc
+        return True
 
     def remove(self, container_id: str) -> None:
         """Kill and remove a container (gone already is fine)."""
@@ -252,6 +313,36 @@ class Engine:
             )
         except Exception as exc:
             raise translate(exc, f"update {container_id[:12]}") from exc
+
+    def park(self, container_id: str) -> None:
+        """Between actions: throttle whatever is left (1% of a core) so it cannot use cores
+        granted to other actions; the next action's ``update_cpus`` lifts it."""
+        try:
+            self.api.update_container(container_id, cpu_quota=PARK_QUOTA_US)
+        except Exception as exc:
+            raise translate(exc, f"park {container_id[:12]}") from exc
+
+    def oom_killed_since(self, container_id: str, since: float) -> bool:
+        """Did the kernel OOM-kill a process of the container since ``since`` (epoch seconds)?
+
+        The engine's ``oom`` events cover any process; ``State.OOMKilled`` only the init (on
+        this engine it stays false when an exec'd process is the victim).
+        """
+        try:
+            stream = self.api.events(
+                since=f"{since:.9f}", until=f"{time.time():.9f}", decode=True,
+                filters={"container": container_id, "event": "oom"},
+            )  # fmt: skip
+            try:
+                if any(True for _ in stream):
+                    return True
+            finally:
+                stream.close()
+            return bool(self.api.inspect_container(container_id)["State"].get("OOMKilled"))
+        except docker.errors.NotFound:
+            return False
+        except Exception as exc:
+            raise translate(exc, f"oom check {container_id[:12]}") from exc
 
     def update_memory(self, container_id: str, memory_mb: int) -> None:
         """Change a container's memory limit (a pool container taken by a trajectory)."""

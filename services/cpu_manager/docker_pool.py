@@ -69,7 +69,7 @@ class WarmPool:
         return None
 
     async def _alive(self, env: Env) -> bool:
-        if self.backend.cfg.exec_mode != "executor":
+        if env.exec_mode != "executor":
             return True  # docker_exec mode finds out on its first exec
         try:
             await executor_client.ping(env.spec.socket_path, env.init_pid)

@@ -2,11 +2,15 @@
 
 Both paths end in an ``ExecOutcome``: the command's own result, or a typed failure
 (timeout, kill, hung exec, lost/OOM-killed container) with the broken container quarantined.
+A SIGKILLed command counts as OOM-killed only when the cgroup's counter (or, where the cgroup
+is not visible from here, the engine) says the kernel's OOM killer did it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -17,6 +21,8 @@ from services.cpu_manager.executor_client import Call, ExecutorGone, Reply
 
 if TYPE_CHECKING:
     from services.cpu_manager.docker_backend import DockerBackend, Env
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -142,3 +148,28 @@ async def exec_via_docker(backend: DockerBackend, env: Env, run: ActionRun) -> E
         return await _broken(backend, env, run, "exec ended without an exit code", started)
     failure, detail = _ending(run, timed_out, False)
     return ExecOutcome(code, out, err, out_trunc, err_trunc, started, finished, failure, detail)
+
+
+async def oom_checked(
+    backend: DockerBackend, env: Env, outcome: ExecOutcome, before: int | None, since: float
+) -> ExecOutcome:
+    """``outcome``, typed OOM-killed when the kernel's OOM killer ended the command."""
+    if outcome.failure is not None or outcome.exit_code not in (-9, 137):
+        return outcome
+    if not await _oom_killed(backend, env, before, since):
+        return outcome
+    backend.stats["oom_kills"] += 1
+    detail = f"killed by the kernel OOM killer: over the {env.memory_mb} MiB memory limit"
+    return dataclasses.replace(outcome, failure=EnvFailure.OOM_KILLED, detail=detail)
+
+
+async def _oom_killed(backend: DockerBackend, env: Env, before: int | None, since: float) -> bool:
+    """The cgroup's OOM-kill counter where it is visible; the engine's word otherwise."""
+    after = env.cgroup.oom_kills() if env.cgroup is not None else None
+    if before is not None and after is not None:
+        return after > before
+    try:
+        return await backend.call(backend.engine.oom_killed_since, env.container_id, since)
+    except DockerFailure as exc:
+        log.info("cannot tell whether %s was OOM-killed: %s", env.spec.name, exc.detail)
+        return False

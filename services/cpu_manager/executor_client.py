@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import struct
 import time
@@ -77,6 +78,16 @@ async def ping(path: Path, peer_pid: int = 0) -> int:
         writer.close()
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 async def wait_ready(path: Path, timeout_s: float, peer_pid: int = 0) -> int:
     """Ping until the executor answers (it binds its socket a few ms after the start)."""
     deadline = time.monotonic() + timeout_s
@@ -84,7 +95,9 @@ async def wait_ready(path: Path, timeout_s: float, peer_pid: int = 0) -> int:
     while True:
         try:
             return await ping(path, peer_pid)
-        except ExecutorGone:
+        except ExecutorGone as exc:
+            if peer_pid and not _alive(peer_pid):
+                raise ExecutorGone(f"the executor (pid {peer_pid}) exited: {exc}") from exc
             if time.monotonic() + delay > deadline:
                 raise
         await asyncio.sleep(delay)  # bounded back-off while the container boots

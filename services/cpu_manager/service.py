@@ -177,13 +177,7 @@ class CpuManager(Service):
     async def _run(self, d: Dispatch) -> None:
         action = d.action
         aid = action.spec.action_id
-        try:
-            outcome = await self.backend.run(self._request(d))
-        except TangramError as exc:
-            outcome = _failed_outcome(EnvFailure.INTERNAL, str(exc))
-        except Exception as exc:
-            log.exception("backend failed running %s", aid)
-            outcome = _failed_outcome(EnvFailure.INTERNAL, f"{type(exc).__name__}: {exc}")
+        outcome = await self._outcome(d)
         active = self.active.pop(aid)
         self.cores_in_use -= set(active.cores)
         result = to_result(action, outcome, active.kill_reason, self.node_id, d.cores)
@@ -191,6 +185,18 @@ class CpuManager(Service):
                                 attempt=action.attempt, result=result)  # fmt: skip
         self.outbox[aid] = completion
         await self._send(completion)
+
+    async def _outcome(self, d: Dispatch) -> ExecOutcome:
+        aid = d.action.spec.action_id
+        if self.active[aid].kill_reason is not None:  # killed before its task got to run
+            return _failed_outcome(EnvFailure.KILLED, "killed on request before it started")
+        try:
+            return await self.backend.run(self._request(d))
+        except TangramError as exc:
+            return _failed_outcome(EnvFailure.INTERNAL, str(exc))
+        except Exception as exc:
+            log.exception("backend failed running %s", aid)
+            return _failed_outcome(EnvFailure.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     def _request(self, d: Dispatch) -> ExecRequest:
         spec = d.action.spec

@@ -23,11 +23,10 @@ from pathlib import Path
 
 import docker
 
-from services.cpu_manager.docker_engine import probe
+from services.cpu_manager.docker_engine import HOST_SYSTEM_DIRS, probe
+from services.cpu_manager.sandbox_image import rootfs_tar
 
 IMAGE = "tangram-test:latest"
-HOST_DIRS = ("/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc")
-ROOTFS_DIRS = (*HOST_DIRS, "/tmp", "/work", "/proc", "/sys", "/dev", "/opt/tangram", "/run/tangram")
 
 
 class EngineUnavailable(RuntimeError):
@@ -47,34 +46,49 @@ class Engine:
 
 def test_mounts() -> tuple[str, ...]:
     """Read-only binds of the host's system dirs that make the empty test image runnable."""
-    return tuple(f"{d}:{d}:ro" for d in HOST_DIRS if os.path.exists(d))
+    return tuple(f"{d}:{d}:ro" for d in HOST_SYSTEM_DIRS if os.path.exists(d))
 
 
-def _rootfs_tar() -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for path in sorted({p for d in ROOTFS_DIRS for p in _parents(d)}):
-            info = tarfile.TarInfo(path.lstrip("/"))
-            info.type = tarfile.DIRTYPE
-            info.mode = 0o1777 if path == "/tmp" else 0o755
-            tar.addfile(info)
-    return buf.getvalue()
-
-
-def _parents(path: str) -> list[str]:
-    parts = Path(path).parts[1:]
-    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
-
-
-def build_test_image(host: str, tag: str = IMAGE) -> str:
-    """``docker import`` an empty rootfs (mount points only) as ``tag``."""
+def _import(host: str, data: bytes, tag: str) -> str:
     repo, _, version = tag.partition(":")
     api = docker.APIClient(base_url=host, version="1.41")
     try:
-        api.import_image_from_data(_rootfs_tar(), repository=repo, tag=version or "latest")
+        api.import_image_from_data(data, repository=repo, tag=version or "latest")
     finally:
         api.close()
     return tag
+
+
+def build_test_image(host: str, tag: str = IMAGE) -> str:
+    """``docker import`` an empty rootfs (mount points only) as ``tag``; no label, so its
+    containers get exactly the binds the test config names (``test_mounts``)."""
+    return _import(host, rootfs_tar(), tag)
+
+
+SHELL_ONLY = ("/bin/sh", "/bin/sleep", "/bin/cat")
+SANDBOX_DIRS = ("/tmp", "/work", "/proc", "/sys", "/dev", "/opt/tangram", "/run/tangram")
+
+
+def build_shell_only_image(host: str, tag: str) -> str:
+    """An image with ``sh``, ``sleep`` and ``cat`` (and their libraries) but no python3."""
+    libraries = sorted({lib for binary in SHELL_ONLY for lib in _libraries(binary)})
+    files = {p: p for p in [*libraries, *SHELL_ONLY]} | {f"/usr{p}": p for p in SHELL_ONLY}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", dereference=True) as tar:
+        dirs = {str(Path(f).parent) for f in files} | set(SANDBOX_DIRS)
+        with tarfile.open(fileobj=io.BytesIO(rootfs_tar(tuple(dirs)))) as skeleton:
+            for member in skeleton.getmembers():  # every directory, world-readable
+                tar.addfile(member)
+        for inside, host_path in sorted(files.items()):
+            tar.add(host_path, arcname=inside.lstrip("/"))
+    return _import(host, buf.getvalue(), tag)
+
+
+def _libraries(binary: str) -> set[str]:
+    """The shared libraries (as the loader names them) that ``binary`` needs."""
+    out = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
+    words = (w for line in out.splitlines() for w in line.split())
+    return {w for w in words if w.startswith("/")}
 
 
 def _answers(host: str) -> bool:

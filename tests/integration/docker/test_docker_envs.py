@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import pytest
+from engine import build_shell_only_image
 from exec_requests import ok, request_for
 
 from services.cpu_manager.backend import EnvFailure
@@ -105,3 +106,50 @@ async def test_drop_env_under_a_running_action_reports_a_kill(backend: DockerBac
 async def test_an_action_without_cores_is_refused(backend: DockerBackend) -> None:
     out = await backend.run(request_for("traj-nc", "true", ()))
     assert out.failure is EnvFailure.INTERNAL
+
+
+async def _creating(backend: DockerBackend, trajectory_id: str) -> None:
+    await asyncio.sleep(0)  # one turn of the loop: run() registers the creation synchronously
+    assert trajectory_id in backend._creating
+
+
+async def test_kill_while_the_container_is_being_made(backend: DockerBackend) -> None:
+    req = request_for("traj-kc", "touch /work/ran")
+    running = asyncio.ensure_future(backend.run(req))
+    await _creating(backend, "traj-kc")
+    assert await backend.kill(req.action_id)
+    out = await asyncio.wait_for(running, 30)
+    assert out.failure is EnvFailure.KILLED, (out.failure, out.detail)
+    assert out.exit_code is None
+    after = await backend.run(request_for("traj-kc", "test -e /work/ran"))
+    assert after.failure is None
+    assert after.exit_code == 1  # the killed command never ran
+
+
+async def test_drop_env_while_the_container_is_being_made(backend: DockerBackend) -> None:
+    running = asyncio.ensure_future(backend.run(request_for("traj-dc", "true")))
+    await _creating(backend, "traj-dc")
+    await backend.drop_env("traj-dc")
+    out = await asyncio.wait_for(running, 30)
+    assert out.failure is EnvFailure.KILLED, (out.failure, out.detail)
+    assert "traj-dc" not in backend.envs()
+    assert await backend.call(backend.engine.containers, True) == []  # nothing lingers
+
+
+@pytest.mark.parametrize("broken", ["no-python-image", "interpreter-exits"])
+async def test_executor_that_cannot_start_falls_back_to_docker_exec(
+    backend_factory, docker_engine, broken: str
+) -> None:
+    if broken == "no-python-image":
+        image = await asyncio.to_thread(
+            build_shell_only_image, docker_engine.host, "tangram-nopython:latest"
+        )
+        backend = await backend_factory(exec_mode="executor", default_image=image, mounts=())
+    else:  # `sh -I executor.py` exits at once, as an interpreter too old to run it would
+        backend = await backend_factory(exec_mode="executor", python="sh")
+    assert ok(await backend.run(request_for("traj-np", "echo hi > /work/f; cat /work/f"))) == "hi\n"
+    assert backend.env("traj-np").exec_mode == "docker_exec"
+    assert backend.stats["executor_fallbacks"] == 1
+    ok(await backend.run(request_for("traj-np2", "true")))
+    assert backend.stats["executor_fallbacks"] == 1  # the image is remembered
+    assert backend.env("traj-np2").exec_mode == "docker_exec"

@@ -131,3 +131,56 @@ def test_config_rejects_unknown_fields() -> None:
 
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"root": "/x", "exec_mod": "executor"}, DockerConfig)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        {"exec_mode": "executor", "cpuset_via": "auto"},
+        {"exec_mode": "executor", "cpuset_via": "docker"},
+        {"exec_mode": "docker_exec", "cpuset_via": "docker"},
+    ],
+    ids=["executor-cgroup", "executor-update", "exec-update"],
+)
+async def test_container_removed_from_outside_is_replaced(backend_factory, mode) -> None:
+    backend = await backend_factory(**mode)
+    ok(await backend.run(request_for("traj-rm", "echo 1 > /work/f")))
+    gone = backend.env("traj-rm")
+    await backend.call(backend.engine.remove, gone.container_id)
+    lost = await backend.run(request_for("traj-rm", "cat /work/f"))
+    assert lost.failure is EnvFailure.ENVIRONMENT_LOST, (lost.failure, lost.detail)
+    assert "traj-rm" not in backend.envs()
+    fresh = await backend.run(request_for("traj-rm", "cat /work/f"))  # told once, then replaced
+    assert fresh.failure is None, fresh.detail
+    assert fresh.exit_code != 0
+    assert backend.env("traj-rm").container_id != gone.container_id
+
+
+@pytest.mark.parametrize("exec_mode", ["executor", "docker_exec"])
+async def test_oom_is_reported_when_the_cgroup_is_not_visible(
+    backend_factory, tmp_path, exec_mode
+) -> None:
+    backend = await backend_factory(exec_mode=exec_mode, cgroup_root=str(tmp_path / "no-cgroup"))
+    hog = "x = bytearray(400 * 2**20); print(len(x))"
+    out = await backend.run(request_for("traj-oom-nc", ["python3", "-c", hog], memory_mb=64))
+    assert backend.env("traj-oom-nc").cgroup is None
+    assert out.failure is EnvFailure.OOM_KILLED, (out.exit_code, out.detail, out.stderr)
+    ok(await backend.run(request_for("traj-oom-nc", "true", memory_mb=64)))
+    exited = await backend.run(request_for("traj-oom-nc", "kill -9 $$", memory_mb=64))
+    assert exited.failure is None  # a SIGKILL that is not the OOM killer stays the command's own
+    assert exited.exit_code in (-9, 137)
+
+
+async def test_hung_docker_exec_is_an_exec_timeout(backend_factory) -> None:
+    backend = await backend_factory(exec_mode="docker_exec", exec_grace_s=1.0)
+    ok(await backend.run(request_for("traj-hx", "true")))
+    # The orphan escapes the exec's process tree and keeps its output open: the exec never ends.
+    hang = "(sleep 60 &) ; sleep 60"
+    t0 = time.monotonic()
+    hung = await backend.run(request_for("traj-hx", hang, timeout_s=0.5))
+    assert hung.failure is EnvFailure.EXEC_TIMEOUT, (hung.failure, hung.detail)
+    assert "hung" in hung.detail
+    assert time.monotonic() - t0 < 10
+    lost = await backend.run(request_for("traj-hx", "true"))
+    assert lost.failure is EnvFailure.ENVIRONMENT_LOST
+    ok(await backend.run(request_for("traj-hx", "true")))

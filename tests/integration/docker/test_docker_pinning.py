@@ -9,6 +9,7 @@ import pytest
 from exec_requests import ok, request_for
 
 from services.cpu_manager.backend import EnvFailure
+from services.cpu_manager.cgroup import PARK_QUOTA_US
 from services.cpu_manager.docker_backend import DockerBackend
 
 pytestmark = pytest.mark.docker
@@ -47,6 +48,20 @@ async def test_cpu_quota_is_granted_cores_during_action_and_parked_after(backend
     if env.cgroup is not None:  # between actions the container is throttled to 1% of a core
         name = "cpu.cfs_quota_us" if env.cgroup.version == 1 else "cpu.max"
         assert (env.cgroup.cpu_dir / name).read_text().split()[0] == "1000"
+
+
+async def test_docker_update_path_parks_the_container_after_an_action(backend: DockerBackend):
+    update = backend.cfg.cpuset_via == "docker"
+    for cores in _core_sets():
+        out = ok(await backend.run(request_for("traj-park", QUOTA, cores)))
+        assert int(out) == 100_000 * len(cores)
+        env = backend.env("traj-park")
+        if update:  # docker's record is what `docker update` wrote last
+            info = await backend.call(backend.engine.api.inspect_container, env.container_id)
+            assert info["HostConfig"]["CpuQuota"] == PARK_QUOTA_US
+        else:
+            name = "cpu.cfs_quota_us" if env.cgroup.version == 1 else "cpu.max"
+            assert (env.cgroup.cpu_dir / name).read_text().split()[0] == str(PARK_QUOTA_US)
 
 
 async def test_dop_and_core_env_vars(backend: DockerBackend) -> None:
