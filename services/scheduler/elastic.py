@@ -115,74 +115,80 @@ def _expected_end(b: Busy, now: float, learner: DurationLearner | None, default_
 def estimate(
     now: float,
     free: int,
-    ones: list[float],
-    multi: list[tuple[float, int]],
+    heap: list[tuple[float, int]],
     first: Sequence[tuple[int, float]],
-    rest: Sequence[tuple[int, float]],
-    tails: Sequence[float],
+    rest: Sequence[Sequence[tuple[int, float]]],
+    tails: Sequence[float] = (),
 ) -> float:
-    """Algorithm 2's ``estimate``: sum of end times of the remaining actions started FCFS at their
-    minimum as units come back; the first one also tries ``depth`` of its allowed amounts.
+    """Algorithm 2's ``estimate``: the sum of the end times of the remaining actions, started in
+    FCFS order as units come back (``heap`` holds the (end, units) releases); the first one
+    tries each of its ``depth`` allowed amounts and keeps the best sum.
 
     Units-aware: an action starts when enough units are free, not when any one action ends.
-    The releases (end, units) are one heap split in two: ``ones`` holds the ends of one-unit
-    releases as bare floats (the bulk, and cheap to compare), ``multi`` the others; popping the
-    smaller of the two heads pops in the (end, units) order of the single heap. The last
-    allocation tried consumes both heaps.
+    Each later action is *moldable* here: of its options (its minimum alone when it is not
+    elastic) it takes the one that ends soonest given the releases (``_mold``). The paper
+    starts them all at their minimum; that makes every evicted elastic action look as if it
+    would run on one unit, so the eviction of Algorithm 1 almost never pays off under load.
 
-    ``tails[k]``, when given, is the sum of the durations of ``rest[k:]`` (and every time and
-    duration is ≥ 0): a later allocation of the first action is then abandoned as soon as even
-    starting all of the rest at once could not beat the best one, which leaves the result as is.
+    ``tails[k]``, when given, lower-bounds the durations of ``rest[k:]`` summed (every time and
+    duration ≥ 0): an option of the first action is abandoned as soon as even starting all of
+    the rest at once could not beat the best one, which leaves the result as is.
     """
     best = INF
-    push, pop = heapq.heappush, heapq.heappop
     for i, (units0, dur0) in enumerate(first):
-        h1, hm = (ones, multi) if i == len(first) - 1 else (ones[:], multi[:])
-        t, f = _wait_for(now, free, units0, h1, hm)
+        h = heap if i == len(first) - 1 else heap[:]
+        t, f = _wait_for(now, free, units0, h)
         obj = t + dur0
-        push(h1, obj) if units0 == 1 else push(hm, (obj, units0))
+        heapq.heappush(h, (obj, units0))
         f -= units0
         if tails and obj >= 0.0 and (obj + len(rest) * t + tails[0]) * _SAFE >= best:
             continue  # cannot beat best: its exact sum is ≥ this bound
-        for need, dur in rest:
+        for options in rest:
             if obj >= best:
                 break
-            while f < need:  # _wait_for, inlined: this loop is the hot path
-                if h1 and (not hm or h1[0] < hm[0][0] or (h1[0] == hm[0][0] and hm[0][1] > 1)):
-                    end = pop(h1)
-                    f += 1
-                elif hm:
-                    end, back = pop(hm)
-                    f += back
-                else:
-                    break
-                if end > t:
-                    t = end
-            t_end = t + dur
-            if need == 1:
-                push(h1, t_end)
-            else:
-                push(hm, (t_end, need))
-            f -= need
-            obj += t_end
+            t, f, end, units = _mold(t, f, options, h)
+            heapq.heappush(h, (end, units))
+            f -= units
+            obj += end
         best = min(best, obj)
     return best if first else 0.0
 
 
-def _wait_for(
-    t: float, f: int, need: int, h1: list[float], hm: list[tuple[float, int]]
-) -> tuple[float, int]:
+def _wait_for(t: float, f: int, need: int, h: list[tuple[float, int]]) -> tuple[float, int]:
     """Pop releases in (end, units) order until ``need`` units are free: the time and free units."""
-    while f < need:
-        if h1 and (not hm or h1[0] < hm[0][0] or (h1[0] == hm[0][0] and hm[0][1] > 1)):
-            end, back = heapq.heappop(h1), 1
-        elif hm:
-            end, back = heapq.heappop(hm)
-        else:
-            break
+    while f < need and h:
+        end, back = heapq.heappop(h)
         f += back
-        t = max(t, end)
+        if end > t:
+            t = end
     return t, f
+
+
+def _mold(
+    t: float, f: int, options: Sequence[tuple[int, float]], h: list[tuple[float, int]]
+) -> tuple[float, int, float, int]:
+    """Start one action at the option (ascending units) that ends soonest: pops releases only as
+    far as that option needs and puts the rest back. Returns (start, free, end, units)."""
+    need, dur = options[0]
+    t, f = _wait_for(t, f, need, h)
+    if len(options) == 1:
+        return t, f, t + dur, need
+    pick = (t, f, t + dur, need)
+    popped: list[tuple[float, int]] = []
+    kept = 0  # releases of ``popped`` the pick consumed
+    for need, dur in options[1:]:
+        while f < need and h and t < pick[2]:
+            release = heapq.heappop(h)
+            popped.append(release)
+            f += release[1]
+            t = max(t, release[0])
+        if f < need or t >= pick[2]:
+            break  # never enough units, or the start alone is already past the best end
+        if t + dur < pick[2]:
+            pick, kept = (t, f, t + dur, need), len(popped)
+    for release in popped[kept:]:
+        heapq.heappush(h, release)
+    return pick
 
 
 # A bound on the rounding of a float sum of a few hundred terms ≥ 0 (relative, generous).
@@ -194,7 +200,7 @@ class Objective:
 
     Built once per decision, evaluated once per prefix: the table gives a prefix's allocation
     with the candidates' durations there in one vectorized step; the running actions' releases
-    are sorted, hence already heaps.
+    are sorted, hence already a heap.
     """
 
     def __init__(
@@ -209,15 +215,13 @@ class Objective:
     ) -> None:
         self._rows, self._n, self._table = rows, n_candidates, table
         self._free, self._now, self._depth = free, now, depth
-        self._mins = [(r.min_units, r.min_duration) for r in rows]
-        durs = [d for _, d in self._mins]
-        # suffix sums of the minimum durations: the bound of ``estimate``, valid for times ≥ 0
+        self._options = [tail_options(r, depth) for r in rows]
+        # suffix sums of the shortest durations: the bound of ``estimate``, valid for times ≥ 0
+        shortest = [min(d for _, d in opts) for opts in self._options]
         self._tails: list[float] = []
-        if now >= 0.0 and min(durs, default=0.0) >= 0.0 and min(releases.ends, default=0.0) >= 0:
-            self._tails = list(accumulate(reversed(durs)))[::-1]
-        released = list(zip(releases.ends, releases.units, strict=True))
-        self._ones = [e for e, u in released if u == 1]  # sorted: already heaps
-        self._multi = [x for x in released if x[1] != 1]
+        if now >= 0.0 and min(shortest, default=0.0) >= 0 and min(releases.ends, default=0) >= 0:
+            self._tails = list(accumulate(reversed(shortest)))[::-1]
+        self._released = list(zip(releases.ends, releases.units, strict=True))  # sorted: a heap
 
     def __call__(self, t: int) -> float:
         """Exact ACT part for the first t candidates plus the estimate for all behind them."""
@@ -228,30 +232,32 @@ class Objective:
             return t * self._now + exact
         units_at, durs_at = self._table.arrangement(t)
         alloc: list[int] = units_at.tolist()
-        ones, multi = self._ones[:], self._multi[:]
-        for end, units in zip((self._now + durs_at).tolist(), alloc, strict=True):
-            if units == 1:
-                ones.append(end)
-            else:
-                multi.append((end, units))
-        heapq.heapify(ones)
-        heapq.heapify(multi)
+        heap = self._released + list(zip((self._now + durs_at).tolist(), alloc, strict=True))
+        heapq.heapify(heap)
         head = self._rows[t]
         first = [head.options[i] for i in spread(len(head.options), self._depth)]
-        rest = self._mins[t + 1 :]
-        tails = self._tails[t + 1 :]
-        tail = estimate(self._now, self._free - sum(alloc), ones, multi, first, rest, tails)
+        rest, tails = self._options[t + 1 :], self._tails[t + 1 :]
+        tail = estimate(self._now, self._free - sum(alloc), heap, first, rest, tails)
         return t * self._now + exact + tail
 
 
-def spread(n_choices: int, depth: int) -> list[int]:
+def tail_options(row: Row, depth: int) -> tuple[tuple[int, float], ...]:
+    """The allocations a queued action may take in the estimate: ``depth`` of its allowed
+    amounts when it is elastic, its minimum otherwise."""
+    if not row.elastic:
+        return row.options[:1]
+    return tuple(row.options[i] for i in spread(len(row.options), depth))
+
+
+@lru_cache(maxsize=4096)
+def spread(n_choices: int, depth: int) -> tuple[int, ...]:
     """Indices of the ``depth`` allocations the first remaining action explores: its minimum and
     then evenly up to its maximum, so that "wait for a large allocation" is among them."""
     if depth >= n_choices:
-        return list(range(n_choices))
+        return tuple(range(n_choices))
     if depth == 1:
-        return [0]
-    return sorted({round(i * (n_choices - 1) / (depth - 1)) for i in range(depth)})
+        return (0,)
+    return tuple(sorted({round(i * (n_choices - 1) / (depth - 1)) for i in range(depth)}))
 
 
 def greedy_evict(objective: Callable[[int], float], n: int, keep: int) -> int:

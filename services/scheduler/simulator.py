@@ -19,6 +19,7 @@ from pathlib import Path
 
 from services.scheduler.durations import DurationLearner
 from services.scheduler.policy import make_policy
+from services.scheduler.simkube import KubeConfig, KubeEngine
 from services.scheduler.simpools import CoreEngine, Engine, PodEngine, SharedEngine, SimAction
 from services.scheduler.traces import (
     CodingConfig,
@@ -31,7 +32,7 @@ from services.scheduler.traces import (
     mopd,
 )
 
-SUBMIT, COMPLETE = 0, 1
+SUBMIT, COMPLETE, WAKE = 0, 1, 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,12 +99,16 @@ class Simulator:
         self.policy = policy
         self.cluster = cluster or Cluster()
         self._learner = DurationLearner()
-        self._engines: dict[str, Engine] = {}
+        self._engines: dict[str, Engine | KubeEngine] = {}
         self._events: list[tuple[float, int, int, str]] = []
         self._seq = 0
         self._actions: dict[str, tuple[SimAction, str]] = {}
         self._started: dict[str, tuple[float, int]] = {}
         self._pools_touched: set[str] = set()
+        self._wakes: set[tuple[str, float]] = set()
+        self._due: dict[
+            str, float
+        ] = {}  # action -> its current finish time (fluid engines move it)
 
     def run(self) -> SimResult:
         result = SimResult(self.policy)
@@ -116,7 +121,9 @@ class Simulator:
                 _, _, kind, key = heapq.heappop(self._events)
                 if kind == SUBMIT:
                     self._submit(key, now)
-                else:
+                elif kind == WAKE:
+                    self._pools_touched.add(key)
+                elif self._due.get(key) == now:  # else a stale finish time: the share changed
                     self._complete(key, now, result)
             self._decide(now, result)
         return result
@@ -125,17 +132,20 @@ class Simulator:
         self._seq += 1
         heapq.heappush(self._events, (t, self._seq, kind, key))
 
-    def _engine(self, pool: str) -> Engine:
+    def _engine(self, pool: str) -> Engine | KubeEngine:
         if pool not in self._engines:
             self._engines[pool] = self._make_engine(pool)
         return self._engines[pool]
 
-    def _make_engine(self, pool: str) -> Engine:
+    def _make_engine(self, pool: str) -> Engine | KubeEngine:
         c = self.cluster
         if pool == "cpu" and self.policy.startswith("trajectory-static"):
             units = int(self.policy.partition(":")[2] or 1)
             return PodEngine(units, c.nodes, c.cores_per_node)
-        base = "min" if self.policy.startswith("trajectory-static") else self.policy
+        if pool == "cpu" and self.policy.startswith("kubernetes"):
+            return KubeEngine(KubeConfig.parse(self.policy), c.nodes, c.cores_per_node)
+        baseline = self.policy.startswith(("trajectory-static", "kubernetes"))
+        base = "min" if baseline else self.policy
         policy = make_policy(base, self._learner)
         if pool == "cpu":
             return CoreEngine(policy, c.nodes, c.cores_per_node)
@@ -154,6 +164,7 @@ class Simulator:
     def _complete(self, key: str, now: float, result: SimResult) -> None:
         action, pool = self._actions.pop(key)
         started_at, units = self._started.pop(key)
+        del self._due[key]
         self._engine(pool).complete(key, now)
         self._pools_touched.add(pool)
         result.records.append(Record(key, action.trajectory_id, action.step.profile,
@@ -168,12 +179,25 @@ class Simulator:
 
     def _decide(self, now: float, result: SimResult) -> None:
         for pool in sorted(self._pools_touched):
-            for key, units in self._engine(pool).schedule(now):
+            engine = self._engine(pool)
+            for key, units in engine.schedule(now):
                 action, _ = self._actions[key]
                 self._started[key] = (now, units)
                 result.decisions.append((now, key, units))
-                self._push(now + action.step.duration(units), COMPLETE, key)
+                if not isinstance(engine, KubeEngine):
+                    self._finish_at(key, now + action.step.duration(units))
+            if isinstance(engine, KubeEngine):
+                for key, t in engine.due(now).items():
+                    self._finish_at(key, t)
+                wake = engine.wake_at()
+                if wake is not None and wake > now and (pool, wake) not in self._wakes:
+                    self._wakes.add((pool, wake))
+                    self._push(wake, WAKE, pool)
         self._pools_touched.clear()
+
+    def _finish_at(self, key: str, t: float) -> None:
+        self._due[key] = t
+        self._push(t, COMPLETE, key)
 
 
 def simulate(trace: Trace, policy: str, cluster: Cluster | None = None) -> SimResult:
