@@ -45,7 +45,7 @@ class MeshOptions:
     postgres_dsn: str | None = None
     nodes: int = 1
     backend: str = "auto"
-    policy: str = "min"
+    policy: str = "elastic"
     fsync: bool = True
     env: dict[str, str] = field(default_factory=dict)  # extra TANGRAM_* settings
     quiet: bool = False

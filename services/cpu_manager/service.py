@@ -252,11 +252,14 @@ class CpuManager(Service):
         await self.bus.publish(subjects.SCHED_NODES, self.node_report())
 
     async def _flush_outbox(self) -> None:
-        if self.outbox:
-            await asyncio.wait(
-                [asyncio.ensure_future(self._send(c)) for c in list(self.outbox.values())],
-                timeout=2.0,
-            )
+        """Last sends of unacknowledged completions before leaving, bounded; none outlives it."""
+        if not self.outbox:
+            return
+        sends = [asyncio.ensure_future(self._send(c)) for c in list(self.outbox.values())]
+        _, pending = await asyncio.wait(sends, timeout=2.0)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
     # ------------------------------------------------------------------ loops
 

@@ -12,7 +12,7 @@ from tangram.config import MeshConfig
 
 
 class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    policy: str = "min"
+    policy: str = "elastic"  # or fixed-dop:K, min, trajectory-static:K (policy.POLICY_SPECS)
     node_timeout_s: float = 5.0
     dispatch_grace_s: float = 3.0
     reconcile_grace_s: float = 1.0
