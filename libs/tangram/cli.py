@@ -177,7 +177,11 @@ def _mesh_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--postgres", default=None, help="use this Postgres DSN instead of embedded")
     p.add_argument("--nodes", type=int, default=1, help="CPU node agents to run")
     p.add_argument("--backend", default="auto", choices=["auto", "process", "docker"])
-    p.add_argument("--policy", default="elastic", help="scheduling policy: elastic, elastic:DEPTH, fixed-dop:K, min, trajectory-static:K")
+    p.add_argument(
+        "--policy",
+        default="elastic",
+        help="scheduling policy: elastic, elastic:DEPTH, fixed-dop:K, min, trajectory-static:K",
+    )
 
 
 def parser() -> argparse.ArgumentParser:
