@@ -27,24 +27,26 @@ WHERE wait_event_type = 'Lock' AND query ILIKE '%UPDATE actions%' ORDER BY query
 """
 
 
-@pytest.fixture
-async def pg(mesh: Mesh) -> AsyncIterator[asyncpg.Connection]:
+async def _connection(mesh: Mesh) -> AsyncIterator[asyncpg.Connection]:
     conn = await asyncpg.connect(mesh.postgres_dsn)
     try:
         yield conn
     finally:
         await conn.close()
+
+
+@pytest.fixture
+async def pg(mesh: Mesh) -> AsyncIterator[asyncpg.Connection]:
+    async for conn in _connection(mesh):
+        yield conn
 
 
 @pytest.fixture
 async def locker(mesh: Mesh) -> AsyncIterator[asyncpg.Connection]:
     """A second connection that holds row locks (``pg`` watches from outside its transaction:
     pg_stat_activity is a snapshot inside one)."""
-    conn = await asyncpg.connect(mesh.postgres_dsn)
-    try:
+    async for conn in _connection(mesh):
         yield conn
-    finally:
-        await conn.close()
 
 
 @pytest.fixture

@@ -98,17 +98,23 @@ async def test_one_action_is_one_trace_across_every_hop(traced_mesh, uid: str):
     provider.force_flush()  # type: ignore[attr-defined]
     provider.shutdown()  # type: ignore[attr-defined]  # later tests export nothing
     wanted = {"tangram-gateway", "tangram-scheduler", "tangram-cpu_manager"}
-    for _ in range(100):
-        roots = [t for svc, t, name, a in collector.spans
-                 if a.get("tangram.action_id") == f"{uid}-traced"]  # fmt: skip
-        if roots:
-            services = {svc for svc, t, _, _ in collector.spans if t == roots[0]}
-            if wanted <= services:
-                break
+    services: set[str] = set()
+    names: set[str] = set()
+    for _ in range(100):  # each service exports in its own batches: wait for the whole trace
+        services, names = _trace(collector, f"{uid}-traced")
+        if wanted <= services and any("Completion" in n for n in names):
+            break
         await asyncio.sleep(0.1)
-    assert roots, "the client's submit span was not exported"
-    services = {svc for svc, t, _, _ in collector.spans if t == roots[0]}
+    assert names, "the client's submit span was not exported"
     assert wanted <= services, services
-    names = {name for _, t, name, _ in collector.spans if t == roots[0]}
     assert any("dispatch" in n.lower() or "Dispatch" in n for n in names), names
     assert any("Completion" in n for n in names), names
+
+
+def _trace(collector: Collector, action_id: str) -> tuple[set[str], set[str]]:
+    """The services and span names in the trace whose root carries ``action_id``."""
+    roots = [t for _, t, _, a in collector.spans if a.get("tangram.action_id") == action_id]
+    if not roots:
+        return set(), set()
+    spans = [(svc, name) for svc, t, name, _ in collector.spans if t == roots[0]]
+    return {svc for svc, _ in spans}, {name for _, name in spans}
