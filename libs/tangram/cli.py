@@ -180,8 +180,20 @@ def _mesh_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy",
         default="elastic",
+        type=_policy,
         help="scheduling policy: elastic, elastic:DEPTH, fixed-dop:K, min, trajectory-static:K",
     )
+
+
+def _policy(spec: str) -> str:
+    """Refuse a policy the scheduler would not start with, before anything starts."""
+    from services.scheduler.policy import make_policy
+
+    try:
+        make_policy(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return spec
 
 
 def parser() -> argparse.ArgumentParser:

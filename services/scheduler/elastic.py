@@ -38,12 +38,11 @@ INF = float("inf")
 @dataclass(frozen=True, slots=True)
 class Row:
     """One queued action as the objective sees it: its task (allowed units, durations), plus the
-    facts every decision reads, computed once per row (hinted rows are cached across decisions)."""
+    facts every decision reads, computed once per row (rows are cached per duration model)."""
 
     task: Task
     elastic: bool
     min_units: int = field(init=False)
-    min_duration: float = field(init=False)
     convex: bool = field(init=False)  # the exact greedy of ``GreedyTable`` holds for this task
     options: tuple[tuple[int, float], ...] = field(init=False)  # (units, duration) pairs
 
@@ -51,14 +50,13 @@ class Row:
         pairs = zip(self.task.choices.tolist(), self.task.durations.tolist(), strict=True)
         object.__setattr__(self, "options", tuple(pairs))
         object.__setattr__(self, "min_units", int(self.task.choices[0]))
-        object.__setattr__(self, "min_duration", float(self.task.durations[0]))
         object.__setattr__(self, "convex", greedy_applies((self.task,)))
 
 
 def make_row(w: Waiting, learner: DurationLearner | None, default_s: float) -> Row:
     """Durations over the allowed units; unknown elasticity collapses the choices to the min."""
     if w.t_ori_s is not None and w.parallel_fraction is not None:
-        return _hinted_row(w.choices, w.t_ori_s, w.parallel_fraction)
+        return _model_row(w.choices, Amdahl(w.t_ori_s, w.parallel_fraction))
     model = resolve(w.profile, w.t_ori_s, w.parallel_fraction, learner)
     if model is None:
         return Row(Task(np.asarray(w.choices[:1], dtype=np.int64), np.array([default_s])), False)
@@ -68,18 +66,7 @@ def make_row(w: Waiting, learner: DurationLearner | None, default_s: float) -> R
 @lru_cache(maxsize=8192)
 def _model_row(choices: tuple[int, ...], model: DurationModel) -> Row:
     """Rows depend on the allowed units and the (frozen, hashable) model only: computed once
-    per model, so until a profile learns something new its rows are reused."""
-    if model.elastic and len(choices) > 1:
-        units = np.asarray(choices, dtype=np.int64)
-        return Row(Task(units, model.durations(units)), True)
-    lo = np.asarray(choices[:1], dtype=np.int64)
-    return Row(Task(lo, model.durations(lo)), False)
-
-
-@lru_cache(maxsize=8192)
-def _hinted_row(choices: tuple[int, ...], t_ori_s: float, parallel_fraction: float) -> Row:
-    """Rows of fully hinted actions depend on their values only: computed once."""
-    model = Amdahl(t_ori_s, parallel_fraction)
+    per model, so hinted rows, and learned ones until their profile learns more, are reused."""
     if model.elastic and len(choices) > 1:
         units = np.asarray(choices, dtype=np.int64)
         return Row(Task(units, model.durations(units)), True)
@@ -206,14 +193,13 @@ class Objective:
     def __init__(
         self,
         rows: Sequence[Row],
-        n_candidates: int,
         table: PrefixTable,
         free: int,
         releases: Releases,
         now: float,
         depth: int,
     ) -> None:
-        self._rows, self._n, self._table = rows, n_candidates, table
+        self._rows, self._table = rows, table
         self._free, self._now, self._depth = free, now, depth
         self._options = [tail_options(r, depth) for r in rows]
         # suffix sums of the shortest durations: the bound of ``estimate``, valid for times ≥ 0
@@ -251,8 +237,8 @@ def tail_options(row: Row, depth: int) -> tuple[tuple[int, float], ...]:
 
 @lru_cache(maxsize=4096)
 def spread(n_choices: int, depth: int) -> tuple[int, ...]:
-    """Indices of the ``depth`` allocations the first remaining action explores: its minimum and
-    then evenly up to its maximum, so that "wait for a large allocation" is among them."""
+    """Indices of the ``depth`` allocations a queued action may take in the estimate: its minimum
+    and then evenly up to its maximum, so that "wait for a large allocation" is among them."""
     if depth >= n_choices:
         return tuple(range(n_choices))
     if depth == 1:
@@ -337,7 +323,7 @@ class ElasticPolicy:
         cands = rows[:n]
         table = prefix_table(op, [r.task for r in cands], all(r.convex for r in cands))
         releases = releases_of(running, now, self.learner, self.default_s)
-        objective = Objective(rows, n, table, free, releases, now, self.depth)
+        objective = Objective(rows, table, free, releases, now, self.depth)
         keep = 0 if running else 1
         return list(table.allocation(greedy_evict(objective, n, keep)))
 

@@ -67,7 +67,7 @@ def schedule(
         rows = [Row(q.tasks[i], q.elastic[i]) for i in group]
         convex = all(r.convex for r in rows[: cand.size])  # group ascending: cand come first
         table = prefix_table(BasicOperator(budget), [q.tasks[i] for i in cand], convex)
-        obj = Objective(rows, cand.size, table, budget, releases[r], now, depth)
+        obj = Objective(rows, table, budget, releases[r], now, depth)
         t = greedy_evict(obj, cand.size, 0 if releases[r].ends else 1)
         started += cand[:t].tolist()
         units += list(table.allocation(t))

@@ -15,6 +15,7 @@ fluid: ``due`` tells the simulator the current finish time of every action whose
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from services.scheduler.simpools import SimAction, Started
@@ -89,7 +90,7 @@ class KubeEngine:
         self._nodes = [_Node(float(cores)) for _ in range(nodes)]
         self._pod: dict[str, int] = {}  # trajectory -> node
         self._ready_at: dict[str, float] = {}  # trajectory -> when its pod can run actions
-        self._pending: list[str] = []  # trajectories whose pod waits for room, FCFS
+        self._pending: deque[str] = deque()  # trajectories whose pod waits for room, FCFS
         self._waiting: list[SimAction] = []
         self._where: dict[str, int] = {}  # running action -> node
 
@@ -122,7 +123,7 @@ class KubeEngine:
             n = max(range(len(self._nodes)), key=lambda i: (self._free_request(i), -i))
             if self._free_request(n) < self.cfg.request - EPS:
                 return  # Pending: FCFS, nothing behind the head binds either
-            tid = self._pending.pop(0)
+            tid = self._pending.popleft()
             self._pod[tid] = n
             self._nodes[n].requested += self.cfg.request
             self._ready_at[tid] = now + self.cfg.pod_start_s

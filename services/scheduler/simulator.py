@@ -216,21 +216,48 @@ def build_trace(workload: str, batch: int, seed: int) -> Trace:
     raise ValueError(f"unknown workload {workload!r}; known: coding, mopd, deepsearch")
 
 
+def check_policy(spec: str) -> None:
+    """Raise ValueError naming the problem unless ``spec`` is a policy the simulator runs."""
+    if spec.startswith("kubernetes"):
+        KubeConfig.parse(spec)
+        return
+    try:
+        make_policy(spec)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (or, in the simulator, kubernetes[:REQUEST:LIMIT])") from exc
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``tangram simulate``: run a generated or recorded trace under one or more policies."""
     ap = argparse.ArgumentParser(prog="tangram simulate", description=main.__doc__)
     ap.add_argument("--workload", default="coding", help="coding | mopd | deepsearch")
     ap.add_argument("--trace", type=Path, help="a JSONL trace instead of a generated one")
-    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--batch", type=_positive, default=256)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--policy", action="append", help="repeatable; default: elastic")
-    ap.add_argument("--nodes", type=int, default=5)
-    ap.add_argument("--cores", type=int, default=256, help="cores per node")
+    ap.add_argument(
+        "--policy", action="append", help="repeatable; default elastic; kubernetes[:REQ:LIMIT]"
+    )
+    ap.add_argument("--nodes", type=_positive, default=5)
+    ap.add_argument("--cores", type=_positive, default=256, help="cores per node")
     ap.add_argument("--json", action="store_true", help="one JSON object per policy")
     args = ap.parse_args(argv)
-    trace = load(args.trace) if args.trace else build_trace(args.workload, args.batch, args.seed)
+    policies = args.policy or ["elastic"]
+    try:
+        for policy in policies:
+            check_policy(policy)
+        trace = (load(args.trace) if args.trace
+                 else build_trace(args.workload, args.batch, args.seed))  # fmt: skip
+    except (ValueError, OSError) as exc:
+        ap.error(str(exc))
     cluster = Cluster(nodes=args.nodes, cores_per_node=args.cores)
-    for policy in args.policy or ["elastic"]:
+    for policy in policies:
         summary = simulate(trace, policy, cluster).summary()
         if args.json:
             print(json.dumps(summary))

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 CPU = "cpu"
@@ -147,18 +148,32 @@ def dump(trace: Iterable[Trajectory], path: Path) -> None:
 
 
 def load(path: Path) -> Trace:
-    return [_trajectory(json.loads(line)) for line in path.read_text().splitlines() if line]
+    """A JSONL trace; a malformed line raises ValueError naming the file, the line and why."""
+    out: Trace = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(_checked(_DECODE(line)))
+        except (msgspec.DecodeError, ValueError) as exc:
+            raise ValueError(f"{path}:{n}: bad trajectory: {exc}") from exc
+    return out
 
 
-def _trajectory(d: dict[str, object]) -> Trajectory:
-    steps = d["steps"]
-    assert isinstance(steps, list)
-    return Trajectory(
-        trajectory_id=str(d["trajectory_id"]),
-        start_s=float(d["start_s"]),  # type: ignore[arg-type]
-        steps=tuple(Step(**{**s, "choices": tuple(s["choices"])}) for s in steps),
-        memory_mb=int(d.get("memory_mb", 512)),  # type: ignore[call-overload]
-    )
+_DECODE = msgspec.json.Decoder(Trajectory).decode
+
+
+def _checked(t: Trajectory) -> Trajectory:
+    for k, s in enumerate(t.steps):
+        if not s.choices or s.choices[0] < 1 or list(s.choices) != sorted(set(s.choices)):
+            raise ValueError(f"step {k}: choices must be ascending whole units ≥ 1")
+        if s.gap_s < 0 or s.t_ori_s <= 0 or not 0.0 <= s.parallel_fraction <= 1.0:
+            raise ValueError(f"step {k}: need gap_s ≥ 0, t_ori_s > 0, 0 ≤ parallel_fraction ≤ 1")
+        if s.pool not in (CPU, GPU) and not s.pool.startswith("quota:"):
+            raise ValueError(f"step {k}: pool must be cpu, gpu or quota:NAME, not {s.pool!r}")
+    if t.start_s < 0:
+        raise ValueError("start_s must be ≥ 0")
+    return t
 
 
 @dataclass(frozen=True, slots=True)

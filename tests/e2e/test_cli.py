@@ -104,3 +104,17 @@ async def test_service_runs_one_service_against_given_servers(tmp_path: Path):
             await proc.wait()
         await asyncio.to_thread(pg.stop)
         await asyncio.to_thread(nats_srv.stop)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["up", "--policy", "nope"], "unknown scheduling policy 'nope'"),
+        (["up", "--policy", "fixed-dop:0"], "fixed DoP must be"),
+        (["simulate", "--policy", "kubernetes:x"], "bad kubernetes spec"),
+    ],
+)
+def test_bad_policy_is_refused_before_anything_starts(argv: list[str], says: str):
+    done = subprocess.run(TANGRAM + argv, env=ENV, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert says in done.stderr

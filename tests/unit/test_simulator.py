@@ -75,3 +75,53 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--batch", "8", "--nodes", "1", "--cores", "16", "--policy", "min",
                  "--policy", "elastic", "--json"]) == 0  # fmt: skip
     assert capsys.readouterr().out.count("mean_act_per_trajectory_s") == 2
+
+
+GOOD_LINE = (
+    '{"trajectory_id":"t","start_s":0,"steps":[{"gap_s":1,"profile":"p","choices":[1,2],'
+    '"t_ori_s":3,"parallel_fraction":0.5}]}'
+)
+
+
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ("not json", "malformed"),
+        ('{"start_s":0,"steps":[]}', "trajectory_id"),
+        (GOOD_LINE.replace('"choices":[1,2]', '"choices":[2,1]'), "ascending"),
+        (GOOD_LINE.replace('"choices":[1,2]', '"choices":[]'), "ascending"),
+        (GOOD_LINE.replace('"t_ori_s":3', '"t_ori_s":-3'), "t_ori_s"),
+        (GOOD_LINE.replace('"parallel_fraction":0.5', '"parallel_fraction":2'), "parallel"),
+        (GOOD_LINE.replace('"profile":"p"', '"profile":"p","pool":"tpu"'), "pool"),
+        (GOOD_LINE.replace('"t_ori_s":3', '"t_ori_s":"x"'), "t_ori_s"),
+    ],
+)
+def test_a_bad_trace_line_is_refused_by_line_and_reason(
+    tmp_path: Path, line: str, says: str
+) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(GOOD_LINE + "\n\n" + line + "\n")
+    with pytest.raises(ValueError, match=rf"t\.jsonl:3: .*{says}"):
+        load(path)
+    path.write_text(GOOD_LINE + "\n")
+    assert len(load(path)) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--policy", "nope"], "unknown scheduling policy 'nope'"),
+        (["--policy", "kubernetes:x"], "bad kubernetes spec"),
+        (["--policy", "fixed-dop:0"], "fixed DoP must be"),
+        (["--workload", "nope"], "unknown workload"),
+        (["--batch", "0"], "must be ≥ 1"),
+        (["--trace", "/nonexistent/trace.jsonl"], "No such file"),
+    ],
+)
+def test_cli_refuses_bad_arguments_with_the_reason(
+    capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--nodes", "1", "--cores", "8", "--batch", "2", *argv])
+    assert exit_info.value.code == 2
+    assert says in capsys.readouterr().err
