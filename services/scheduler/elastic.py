@@ -45,12 +45,33 @@ class Row:
     min_units: int = field(init=False)
     convex: bool = field(init=False)  # the exact greedy of ``GreedyTable`` holds for this task
     options: tuple[tuple[int, float], ...] = field(init=False)  # (units, duration) pairs
+    levels: tuple[tuple[int, float], ...] = field(init=False)  # its option at each DoP level
 
     def __post_init__(self) -> None:
-        pairs = zip(self.task.choices.tolist(), self.task.durations.tolist(), strict=True)
-        object.__setattr__(self, "options", tuple(pairs))
+        pairs = tuple(zip(self.task.choices.tolist(), self.task.durations.tolist(), strict=True))
+        object.__setattr__(self, "options", pairs)
         object.__setattr__(self, "min_units", int(self.task.choices[0]))
         object.__setattr__(self, "convex", greedy_applies((self.task,)))
+        object.__setattr__(self, "levels", tuple(at_level(pairs, m) for m in LEVELS))
+
+
+# The DoP levels the estimate runs the queue at: powers of two, then "each at its maximum".
+LEVELS = (1, 4, 16, 64, 256, 1 << 30)
+
+
+def at_level(options: Sequence[tuple[int, float]], m: int) -> tuple[int, float]:
+    """The option with the most units not above ``m`` (the minimum when all are above it)."""
+    pick = options[0]
+    for option in options:
+        if option[0] > m:
+            break
+        pick = option
+    return pick
+
+
+def levels_for(top: int) -> tuple[int, ...]:
+    """Indices of the levels that differ for actions allowing at most ``top`` units."""
+    return (*(j for j, m in enumerate(LEVELS) if m < top), len(LEVELS) - 1)
 
 
 def make_row(w: Waiting, learner: DurationLearner | None, default_s: float) -> Row:
@@ -104,24 +125,25 @@ def estimate(
     free: int,
     heap: list[tuple[float, int]],
     first: Sequence[tuple[int, float]],
-    rest: Sequence[Sequence[tuple[int, float]]],
+    rest: Sequence[tuple[int, float]],
     tails: Sequence[float] = (),
+    bound: float = INF,
 ) -> float:
     """Algorithm 2's ``estimate``: the sum of the end times of the remaining actions, started in
     FCFS order as units come back (``heap`` holds the (end, units) releases); the first one
-    tries each of its ``depth`` allowed amounts and keeps the best sum.
+    tries each of its ``first`` amounts and the best sum is kept. ``rest`` gives the amount and
+    duration each later action runs at (the caller picks them: see ``Objective``).
 
     Units-aware: an action starts when enough units are free, not when any one action ends.
-    Each later action is *moldable* here: of its options (its minimum alone when it is not
-    elastic) it takes the one that ends soonest given the releases (``_mold``). The paper
-    starts them all at their minimum; that makes every evicted elastic action look as if it
-    would run on one unit, so the eviction of Algorithm 1 almost never pays off under load.
 
     ``tails[k]``, when given, lower-bounds the durations of ``rest[k:]`` summed (every time and
     duration ≥ 0): an option of the first action is abandoned as soon as even starting all of
-    the rest at once could not beat the best one, which leaves the result as is.
+    the rest at once could not beat the best one (or ``bound``), which leaves the result as is;
+    INF when nothing beats ``bound``.
     """
-    best = INF
+    if not first:
+        return 0.0
+    best = bound
     for i, (units0, dur0) in enumerate(first):
         h = heap if i == len(first) - 1 else heap[:]
         t, f = _wait_for(now, free, units0, h)
@@ -130,15 +152,18 @@ def estimate(
         f -= units0
         if tails and obj >= 0.0 and (obj + len(rest) * t + tails[0]) * _SAFE >= best:
             continue  # cannot beat best: its exact sum is ≥ this bound
-        for options in rest:
-            if obj >= best:
-                break
-            t, f, end, units = _mold(t, f, options, h)
-            heapq.heappush(h, (end, units))
-            f -= units
-            obj += end
+        left = len(rest)
+        for k, (need, dur) in enumerate(rest):
+            if obj >= best or (tails and (obj + (left - k) * t + tails[k]) * _SAFE >= best):
+                obj = INF
+                break  # the rest start no earlier than t and last at least tails[k]
+            if f < need:
+                t, f = _wait_for(t, f, need, h)
+            heapq.heappush(h, (t + dur, need))
+            f -= need
+            obj += t + dur
         best = min(best, obj)
-    return best if first else 0.0
+    return best if best < bound else INF
 
 
 def _wait_for(t: float, f: int, need: int, h: list[tuple[float, int]]) -> tuple[float, int]:
@@ -151,39 +176,21 @@ def _wait_for(t: float, f: int, need: int, h: list[tuple[float, int]]) -> tuple[
     return t, f
 
 
-def _mold(
-    t: float, f: int, options: Sequence[tuple[int, float]], h: list[tuple[float, int]]
-) -> tuple[float, int, float, int]:
-    """Start one action at the option (ascending units) that ends soonest: pops releases only as
-    far as that option needs and puts the rest back. Returns (start, free, end, units)."""
-    need, dur = options[0]
-    t, f = _wait_for(t, f, need, h)
-    if len(options) == 1:
-        return t, f, t + dur, need
-    pick = (t, f, t + dur, need)
-    popped: list[tuple[float, int]] = []
-    kept = 0  # releases of ``popped`` the pick consumed
-    for need, dur in options[1:]:
-        while f < need and h and t < pick[2]:
-            release = heapq.heappop(h)
-            popped.append(release)
-            f += release[1]
-            t = max(t, release[0])
-        if f < need or t >= pick[2]:
-            break  # never enough units, or the start alone is already past the best end
-        if t + dur < pick[2]:
-            pick, kept = (t, f, t + dur, need), len(popped)
-    for release in popped[kept:]:
-        heapq.heappush(h, release)
-    return pick
-
-
 # A bound on the rounding of a float sum of a few hundred terms ≥ 0 (relative, generous).
 _SAFE = 1.0 - 1e-9
 
 
 class Objective:
     """Algorithm 2's ``getApproximatedObjective`` for the FCFS prefixes of the candidates.
+
+    The paper estimates the actions behind the candidates at their minimum allocation. Under
+    load that makes every evicted elastic action look as if it would run on one unit, so evicting
+    one for a larger allocation later never pays and long scalable actions start on whatever one
+    or two units come back. Here the estimate is the best of one pass per DoP level ``m``: the
+    actions behind the candidates all run at ``m`` (each at its largest allowed amount not above
+    it), and the lowest level is the paper's own estimate, where the first of them tries
+    ``depth`` of its amounts. So a prefix is weighed against the best fixed-DoP continuation
+    behind it, and an eviction pays when waiting for more units beats that.
 
     Built once per decision, evaluated once per prefix: the table gives a prefix's allocation
     with the candidates' durations there in one vectorized step; the running actions' releases
@@ -201,12 +208,17 @@ class Objective:
     ) -> None:
         self._rows, self._table = rows, table
         self._free, self._now, self._depth = free, now, depth
-        self._options = [tail_options(r, depth) for r in rows]
-        # suffix sums of the shortest durations: the bound of ``estimate``, valid for times ≥ 0
-        shortest = [min(d for _, d in opts) for opts in self._options]
-        self._tails: list[float] = []
-        if now >= 0.0 and min(shortest, default=0.0) >= 0 and min(releases.ends, default=0) >= 0:
-            self._tails = list(accumulate(reversed(shortest)))[::-1]
+        top = max((r.options[-1][0] for r in rows if r.elastic), default=1)
+        self._levels = levels_for(top)
+        self._hint = self._levels[0]  # the level that won the last prefix looked at
+        self._rest = {j: [r.levels[j] for r in rows] for j in self._levels}
+        # suffix sums of the durations at each level: the bound of ``estimate``, for times ≥ 0
+        self._tails: dict[int, list[float]] = {}
+        if now >= 0.0 and min(releases.ends, default=0) >= 0:
+            for j, rest in self._rest.items():
+                durs = [d for _, d in rest]
+                if min(durs, default=0) >= 0:
+                    self._tails[j] = list(accumulate(reversed(durs)))[::-1]
         self._released = list(zip(releases.ends, releases.units, strict=True))  # sorted: a heap
 
     def __call__(self, t: int) -> float:
@@ -220,25 +232,35 @@ class Objective:
         alloc: list[int] = units_at.tolist()
         heap = self._released + list(zip((self._now + durs_at).tolist(), alloc, strict=True))
         heapq.heapify(heap)
-        head = self._rows[t]
-        first = [head.options[i] for i in spread(len(head.options), self._depth)]
-        rest, tails = self._options[t + 1 :], self._tails[t + 1 :]
-        tail = estimate(self._now, self._free - sum(alloc), heap, first, rest, tails)
+        free, tail = self._free - sum(alloc), INF
+        # the level that won the last prefix goes first: its sum prunes the others early
+        order = sorted(self._levels, key=lambda j: j != self._hint)
+        for k, j in enumerate(order):
+            value = self._estimate(t, j, free, heap if k == len(order) - 1 else heap[:], tail)
+            if value < tail:
+                tail, self._hint = value, j
         return t * self._now + exact + tail
 
-
-def tail_options(row: Row, depth: int) -> tuple[tuple[int, float], ...]:
-    """The allocations a queued action may take in the estimate: ``depth`` of its allowed
-    amounts when it is elastic, its minimum otherwise."""
-    if not row.elastic:
-        return row.options[:1]
-    return tuple(row.options[i] for i in spread(len(row.options), depth))
+    def _estimate(
+        self, t: int, level: int, free: int, heap: list[tuple[float, int]], bound: float
+    ) -> float:
+        """The estimate behind prefix t with the rest at ``level``. At the lowest level (every
+        action at its minimum: the paper's estimate) the first of them tries ``depth`` of its
+        own amounts; at the others it runs at the level too."""
+        head = self._rows[t]
+        if level == self._levels[0]:
+            first = [head.options[i] for i in spread(len(head.options), self._depth)]
+        else:
+            first = [head.levels[level]]
+        tails = self._tails[level][t + 1 :] if level in self._tails else ()
+        return estimate(self._now, free, heap, first, self._rest[level][t + 1 :], tails, bound)
 
 
 @lru_cache(maxsize=4096)
 def spread(n_choices: int, depth: int) -> tuple[int, ...]:
-    """Indices of the ``depth`` allocations a queued action may take in the estimate: its minimum
-    and then evenly up to its maximum, so that "wait for a large allocation" is among them."""
+    """Indices of the ``depth`` allocations the first queued action tries in the estimate: its
+    minimum and then evenly up to its maximum, so that "wait for a large allocation" is among
+    them."""
     if depth >= n_choices:
         return tuple(range(n_choices))
     if depth == 1:

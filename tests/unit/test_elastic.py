@@ -109,6 +109,16 @@ def test_elastic_waits_for_a_large_allocation_when_it_comes_soon() -> None:
     assert ElasticPolicy().arrange(w, 1, 32, running, 0.0) == []
 
 
+def test_elastic_under_saturation_does_not_start_a_long_scalable_action_on_one_core() -> None:
+    """Saturated: 20 long scalable actions queued, one core free, one more back every 5 s. On
+    one core the head would take ~400 s; a few cores are worth the wait, and the queue behind
+    fares better at a higher DoP too. (The estimate of the last version, where each action
+    behind took whatever ended soonest for itself, started the head on the one core here.)"""
+    w = [Waiting(f"a{i}", tuple(range(1, 33)), 0.0, "r", 400.0, 0.95) for i in range(20)]
+    running = [Busy(f"b{i}", 1, 0.0, expected_end=5.0 * (i + 1)) for i in range(255)]
+    assert ElasticPolicy().arrange(w, 1, 256, running, 0.0) == []
+
+
 def test_fixed_dop_clamps_into_the_allowed_set() -> None:
     w = [Waiting("a", (1, 2, 8), 0.0), Waiting("b", (1,), 0.0), Waiting("c", (6, 7), 0.0)]
     assert FixedDopPolicy(4).arrange(w, 64, 64, [], 0.0) == [2, 1, 6]
@@ -168,10 +178,9 @@ def test_multi_resource_never_exceeds_capacity(qf: tuple[Queue, np.ndarray]) -> 
 
 def _reference_estimate(
     now: float, free: int, heap: list[tuple[float, int]], first: list[tuple[int, float]],
-    rest: list[list[tuple[int, float]]],
+    rest: list[tuple[int, float]],
 ) -> float:  # fmt: skip
-    """Every later action tries each of its options on a copy of the releases and takes the one
-    that ends soonest (the fewest units among equals)."""
+    """Each first option on its own copy of the releases, the rest at their given amounts."""
     best = float("inf")
     for units0, dur0 in first:
         h = list(heap)
@@ -179,17 +188,11 @@ def _reference_estimate(
         obj = t + dur0
         heapq.heappush(h, (obj, units0))
         f -= units0
-        for options in rest:
-            tried = []  # the minimum always (it starts even short of units), the rest if they fit
-            for i, (need, dur) in enumerate(options):
-                hh = list(h)
-                tt, ff = _ref_wait(t, f, need, hh)
-                if ff >= need or i == 0:
-                    tried.append((tt + dur, need, tt, ff, hh))
-            end, need, t, f, h = min(tried, key=lambda x: (x[0], x[1]))
-            heapq.heappush(h, (end, need))
+        for need, dur in rest:
+            t, f = _ref_wait(t, f, need, h)
+            heapq.heappush(h, (t + dur, need))
             f -= need
-            obj += end
+            obj += t + dur
         best = min(best, obj)
     return best if first else 0.0
 
@@ -201,18 +204,20 @@ def _ref_wait(t: float, f: int, need: int, h: list[tuple[float, int]]) -> tuple[
     return t, f
 
 
-def _options(row: Row, depth: int) -> list[tuple[int, float]]:
-    if not row.elastic:
-        return [(int(row.task.choices[0]), float(row.task.durations[0]))]
-    pick = list(spread(row.task.choices.size, depth))
-    return list(zip(row.task.choices[pick].tolist(), row.task.durations[pick].tolist(),
-                    strict=True))  # fmt: skip
+def _ref_at(row: Row, m: int) -> tuple[int, float]:
+    """The row's largest allowed amount not above m (its minimum when all are above)."""
+    pairs = list(zip(row.task.choices.tolist(), row.task.durations.tolist(), strict=True))
+    below = [p for p in pairs if p[0] <= m]
+    return below[-1] if below and row.elastic else pairs[0]
 
 
 def _reference_objective(
     rows: list[Row], table: PrefixTable, free: int, releases: Releases, now: float, depth: int,
     t: int,
 ) -> float:  # fmt: skip
+    """Exact part of the first t candidates plus the best estimate over the DoP levels: at the
+    lowest (everyone at the minimum) the first behind tries ``depth`` of its amounts, at the
+    others it runs at the level as well."""
     exact = table.objective(t)
     if not np.isfinite(exact):
         return exact
@@ -225,11 +230,23 @@ def _reference_objective(
     rest = rows[t:]
     if not rest:
         return t * now + exact
-    head = rest[0].task
-    pick = list(spread(head.choices.size, depth))
-    first = list(zip(head.choices[pick].tolist(), head.durations[pick].tolist(), strict=True))
-    later = [_options(r, depth) for r in rest[1:]]
-    return t * now + exact + _reference_estimate(now, free - sum(alloc), heap, first, later)
+    head = rest[0]
+    pick = list(spread(head.task.choices.size, depth))
+    own = list(zip(head.task.choices[pick].tolist(), head.task.durations[pick].tolist(),
+                   strict=True))  # fmt: skip
+    levels = _reference_levels(rows)
+    return t * now + exact + min(
+        _reference_estimate(now, free - sum(alloc), heap,
+                            own if m == levels[0] else [_ref_at(head, m)],
+                            [_ref_at(r, m) for r in rest[1:]])
+        for m in levels
+    )  # fmt: skip
+
+
+def _reference_levels(rows: list[Row]) -> list[int]:
+    """Powers of four below the largest elastic maximum, then "every action at its maximum"."""
+    top = max((int(r.task.choices[-1]) for r in rows if r.elastic), default=1)
+    return [m for m in (1, 4, 16, 64, 256) if m < top] + [1 << 30]
 
 
 class _ReferenceGreedy:
