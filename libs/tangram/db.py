@@ -220,9 +220,12 @@ class GroupCommit(Generic[T, R]):
             try:
                 return await self._flush(items)
             except Exception as exc:
-                tries += 1
-                if not transient(exc) and tries >= self._retry.permanent_tries:
-                    raise WriterFailed(f"{self._name}: write failed {tries} times: {exc}") from exc
+                if not transient(exc):  # only these count: an outage may last any time
+                    tries += 1
+                    if tries >= self._retry.permanent_tries:
+                        raise WriterFailed(
+                            f"{self._name}: write failed {tries} times: {exc}"
+                        ) from exc
                 self.retries += 1
                 log.warning("%s: write of %d items failed (%s); retrying in %.2fs",
                             self._name, len(items), exc, delay)  # fmt: skip

@@ -88,8 +88,6 @@ async def choose(cfg: CpuManagerConfig, *, build_image: bool = False) -> Choice:
 
 async def make_backend(cfg: CpuManagerConfig, incarnation: str) -> tuple[Backend, str]:
     """The backend to use and the one line that says why."""
-    if cfg.backend not in ("auto", "process", "docker"):
-        raise Unavailable(f"unknown backend {cfg.backend!r}; use auto, process or docker")
     choice = await choose(cfg)
     if choice.backend == "docker":
         return DockerBackend(docker_config(cfg, incarnation)), choice.line

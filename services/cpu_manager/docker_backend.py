@@ -334,7 +334,7 @@ class DockerBackend:
             logs = await self.call(self.engine.logs_tail, env.container_id)
             await self._remove(env)
             detail = f"executor in {env.image} did not start: {exc}; logs: {logs}"
-            if state is not None and not state.get("Running"):
+            if state is not None and _exited_by_itself(state):
                 raise ExecutorUnavailable(detail) from exc
             raise DockerFailure(EnvFailure.INTERNAL, detail) from exc
 
@@ -463,3 +463,9 @@ class DockerBackend:
         }
         env.update(req.env)
         return env
+
+
+def _exited_by_itself(state: dict[str, object]) -> bool:
+    """The executor ended on its own (no interpreter, a broken image), not killed: an OOM kill
+    of a container made too small says nothing about the image."""
+    return not state.get("Running") and not state.get("OOMKilled") and state.get("ExitCode") != 137

@@ -45,8 +45,9 @@ PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LABEL_ROOTFS = "tangram.rootfs"
 HOST_ROOTFS = "host-ro"
 HOST_SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc")
-# runc's words when a container's entrypoint cannot be executed (e.g. no python3 in the image)
-ENTRYPOINT_FAILED = ("unable to start container process", "executable file not found")
+# runc's words when the entrypoint is missing (no python3 in the image); not its generic
+# "unable to start container process", which mount and cgroup errors begin with too
+ENTRYPOINT_MISSING = "executable file not found"
 
 
 class DockerFailure(Exception):
@@ -221,7 +222,10 @@ class Engine:
             self.api.start(container_id)
         except docker.errors.APIError as exc:
             text = str(exc.explanation or exc)
-            if spec.exec_mode == "executor" and any(w in text for w in ENTRYPOINT_FAILED):
+            missing = ENTRYPOINT_MISSING in text or (
+                f"{self.cfg.python}: no such file or directory" in text.lower()
+            )
+            if spec.exec_mode == "executor" and missing:
                 raise ExecutorUnavailable(
                     f"the executor cannot start in {spec.image} ({self.cfg.python}): {text}"
                 ) from exc

@@ -52,21 +52,13 @@ class Row:
         object.__setattr__(self, "options", pairs)
         object.__setattr__(self, "min_units", int(self.task.choices[0]))
         object.__setattr__(self, "convex", greedy_applies((self.task,)))
-        object.__setattr__(self, "levels", tuple(at_level(pairs, m) for m in LEVELS))
+        units, durs = [u for u, _ in pairs], dict(pairs)
+        levels = tuple((c, durs[c]) for c in (clamp_choice(units, m) for m in LEVELS))
+        object.__setattr__(self, "levels", levels)
 
 
 # The DoP levels the estimate runs the queue at: powers of two, then "each at its maximum".
 LEVELS = (1, 4, 16, 64, 256, 1 << 30)
-
-
-def at_level(options: Sequence[tuple[int, float]], m: int) -> tuple[int, float]:
-    """The option with the most units not above ``m`` (the minimum when all are above it)."""
-    pick = options[0]
-    for option in options:
-        if option[0] > m:
-            break
-        pick = option
-    return pick
 
 
 def levels_for(top: int) -> tuple[int, ...]:

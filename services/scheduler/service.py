@@ -5,8 +5,8 @@ sees events in arrival order, and queues its node commands before that ``await``
 leave in the order the core decided them. Durability: two durable group-commit writers retry a
 failed batch until it commits. A dispatch is sent only once its ``started`` record is committed
 (a restarted scheduler never rebuilds as queued an action a node may run). Results are pushed to
-clients at once; a node's completion (and a client's cancel) is acked only after the terminal
-record is committed, so a crash in between makes the node re-send it.
+clients at once; a node's completion (and a client's cancel of a queued action) is acked only
+after the terminal record is committed, so a crash in between makes the sender re-send it.
 """
 
 from __future__ import annotations

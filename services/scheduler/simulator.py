@@ -106,9 +106,8 @@ class Simulator:
         self._started: dict[str, tuple[float, int]] = {}
         self._pools_touched: set[str] = set()
         self._wakes: set[tuple[str, float]] = set()
-        self._due: dict[
-            str, float
-        ] = {}  # action -> its current finish time (fluid engines move it)
+        # action -> its current finish time (fluid engines move it)
+        self._due: dict[str, float] = {}
 
     def run(self) -> SimResult:
         result = SimResult(self.policy)

@@ -117,3 +117,17 @@ async def test_without_retry_a_failed_batch_fails_fast_and_the_next_one_is_tried
 )
 def test_transient_errors(error: Exception, transient: bool):
     assert db.transient(error) is transient
+
+
+async def test_an_outage_does_not_use_up_the_tries_an_incurable_error_gets():
+    """Transient failures (an outage) do not count: after many of them, a non-transient error
+    is still tried ``permanent_tries`` times, and one that then clears commits."""
+    down = ConnectionRefusedError(111, "Connection refused")
+    odd = asyncpg.exceptions.UniqueViolationError("duplicate key")
+    flush = Flaky(*[down] * 6, *[odd] * (FAST.permanent_tries - 1))
+    writer: db.GroupCommit[int, int] = db.GroupCommit(flush, retry=FAST)
+    writer.start()
+    assert await writer.submit(1) == 10
+    assert flush.committed == [1]
+    await writer.close()
+    await writer.join()
