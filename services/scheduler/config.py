@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from services.scheduler.policy import make_policy
 from tangram import config
 from tangram.config import MeshConfig
 
@@ -18,6 +19,13 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reconcile_grace_s: float = 1.0
     tick_s: float = 0.25
     sweep_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        # Refused at decode time (a ValidationError there), not when the scheduler starts.
+        try:
+            make_policy(self.policy)
+        except ValueError as exc:
+            raise ValueError(f"TANGRAM_SCHEDULER_POLICY: {exc}") from exc
 
 
 def load(overrides: Mapping[str, Any] | None = None) -> tuple[MeshConfig, SchedulerConfig]:

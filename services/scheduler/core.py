@@ -4,7 +4,9 @@ No I/O and no clock of its own: every method takes ``now`` and returns effects f
 (dispatch, finish, kill, drop env, record env). The live service and the simulator drive this
 same code. Pools are per node (§5.2): a trajectory's environment lives on one node, chosen at
 its first action by CPU-memory load balance, and all its actions run there. Each pool is
-FCFS; the policy decides how many of the head actions start now and with how many cores.
+FCFS; the policy decides how many of the head actions start now and with how many cores. A
+policy that keeps state per pool (trajectory-static reservations, built with ``for_pool``) gets
+an instance per node, told when a trajectory's environment ends and dropped with its node.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ class SchedulerCore:
         self.recent: dict[str, None] = {}
         self.not_before = 0.0
         self._views: dict[str, Waiting] = {}  # the policy's view of each queued action
+        self._pools: dict[str, Policy] = {}  # node -> its own instance of a per-pool policy
         # A policy that only admits what fits at minimum needs no view past the block.
         self._lookahead = self.cfg.lookahead if getattr(self.policy, "lookahead", True) else 0
 
@@ -233,6 +236,7 @@ class SchedulerCore:
         """Fail what ran there (it may have half-run) and lose its environments."""
         effects: list[Effect] = []
         del self.nodes[node.node_id]
+        self._pools.pop(node.node_id, None)  # its reservations end with its environments
         for aid, run in list(self.running.items()):
             if run.node_id == node.node_id:
                 del self.running[aid]
@@ -261,6 +265,7 @@ class SchedulerCore:
 
     def _end_env(self, env: Env, status: str, reason: str) -> EnvChanged:
         self.envs.pop(env.trajectory_id, None)
+        self._release(env.node_id, env.trajectory_id)
         node = self.nodes.get(env.node_id)
         if node is not None and node.incarnation == env.incarnation:
             node.reserved_mb -= env.memory_mb
@@ -464,11 +469,39 @@ class SchedulerCore:
             for r in self.running.values()
             if r.node_id == node.node_id
         ]
-        grants = self.policy.arrange(waiting, len(node.free), node.capacity, busy, now)
+        policy = self._pool_policy(node.node_id)
+        grants = policy.arrange(waiting, len(node.free), node.capacity, busy, now)
         effects: list[Effect] = []
         for act, units in zip(acts, grants, strict=False):
-            effects += self._start(node, act, units, now)
+            if units > 0:  # a policy that is not prefix-only says "not now" with 0
+                effects += self._start(node, act, units, now)
+        self._release_unstarted(node.node_id, acts)
         return effects
+
+    def _pool_policy(self, node_id: str) -> Policy:
+        """The node's own instance of a policy with per-pool state, else the shared policy."""
+        for_pool = getattr(self.policy, "for_pool", None)
+        if for_pool is None:
+            return self.policy
+        policy = self._pools.get(node_id)
+        if policy is None:
+            policy = self._pools[node_id] = for_pool()
+        return policy
+
+    def _release(self, node_id: str, trajectory_id: str) -> None:
+        """Tell the node's pool policy that the trajectory holds nothing there any more."""
+        close = getattr(self._pools.get(node_id), "close_trajectory", None)
+        if close is not None:
+            close(trajectory_id)
+
+    def _release_unstarted(self, node_id: str, acts: list[UnifiedAction]) -> None:
+        """A new trajectory the pool reserved for but did not start has no environment here
+        yet; the next pass may place it on another node, so it must not hold this pool."""
+        if node_id not in self._pools:
+            return
+        for act in acts:
+            if act.spec.trajectory_id not in self.envs:
+                self._release(node_id, act.spec.trajectory_id)
 
     def _view(self, act: UnifiedAction) -> Waiting:
         aid = act.spec.action_id

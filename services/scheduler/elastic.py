@@ -409,6 +409,10 @@ class TrajectoryStaticPolicy:
         self.name = f"trajectory-static:{units}"
         self._held: dict[str, None] = {}
 
+    def for_pool(self) -> TrajectoryStaticPolicy:
+        """A fresh instance, holding no reservation, for another pool."""
+        return TrajectoryStaticPolicy(self.units)
+
     def close_trajectory(self, trajectory_id: str) -> None:
         self._held.pop(trajectory_id, None)
 

@@ -99,12 +99,14 @@ POLICY_SPECS = ("min", "elastic", "elastic:DEPTH", "fixed-dop:K", "trajectory-st
 def make_policy(spec: str, learner: DurationLearner | None = None) -> Policy:
     """Build a policy from its config name (one of ``POLICY_SPECS``).
 
-    Stateful policies (trajectory-static) need one instance per pool; ``learner`` lets the
-    elastic policies of all pools share what they learn per profile.
+    Stateful policies (trajectory-static) need one instance per pool, which the scheduler core
+    builds with their ``for_pool``; ``learner`` lets the elastic policies of all pools share
+    what they learn per profile.
     """
     from services.scheduler import elastic  # elastic builds on this module
 
     name, _, arg = spec.partition(":")
+    known = ", ".join(POLICY_SPECS)
     try:
         match name:
             case "min" if not arg:
@@ -116,5 +118,5 @@ def make_policy(spec: str, learner: DurationLearner | None = None) -> Policy:
             case "trajectory-static":
                 return elastic.TrajectoryStaticPolicy(int(arg or 1))
     except ValueError as exc:
-        raise ValueError(f"bad scheduling policy {spec!r}: {exc}") from exc
-    raise ValueError(f"unknown scheduling policy {spec!r}; known: {', '.join(POLICY_SPECS)}")
+        raise ValueError(f"bad scheduling policy {spec!r}: {exc}; known: {known}") from exc
+    raise ValueError(f"unknown scheduling policy {spec!r}; known: {known}")
