@@ -9,7 +9,7 @@ import pytest
 from services.scheduler.policy import make_policy
 from services.scheduler.simpools import CoreEngine, SimAction
 from services.scheduler.simulator import Cluster, SimResult, build_trace, main, simulate
-from services.scheduler.traces import CodingConfig, ai_coding, dump, load
+from services.scheduler.traces import CodingConfig, ai_coding, busy_fraction, dump, load
 
 SMALL = Cluster(nodes=2, cores_per_node=32)
 
@@ -39,6 +39,15 @@ def test_jsonl_round_trip(tmp_path: Path) -> None:
     trace = ai_coding(CodingConfig(batch=5), seed=3)
     dump(trace, tmp_path / "t.jsonl")
     assert load(tmp_path / "t.jsonl") == trace
+
+
+def test_the_coding_trace_keeps_environments_busy_about_half_of_their_life() -> None:
+    """The paper's AI-coding environments are accessed 47% of their lifetime (§1); the
+    default generator is calibrated to it, and a trace of only actions is busy all the time."""
+    assert 0.42 <= busy_fraction(ai_coding(CodingConfig(batch=512), seed=0)) <= 0.52
+    heavy = ai_coding(CodingConfig(batch=64, gap_median_s=8.0, tool_median_s=8.0), seed=0)
+    assert busy_fraction(heavy) > 0.8
+    assert busy_fraction([]) == 0.0
 
 
 def replay(result: SimResult, policy: str) -> list[tuple[float, str, int]]:
