@@ -10,8 +10,8 @@ Workload: ``traces.ai_coding`` with its defaults (3-8 tool turns per trajectory 
 tens, to keep a run within minutes on 2 cores), calibrated so that environments are busy 47% of
 their life as the paper measured (``busy_fraction``). ``fig9.json`` also carries the reward and
 tool actions' own mean ACT, ``fixed-dop:8`` (the best fixed DoP here, though not the paper's),
-``floor`` (what no policy beats on the trace), and ``variants``: the same policies at batch
-1,280 on a heavier trace (environments busy 88%) and on one with 20-40 turns."""
+``floor`` (what no policy beats on the trace), and ``variants_at_1280``: the same policies at
+batch 1,280 on a heavier trace (environments busy 88%) and on one with 20-40 turns."""
 
 from __future__ import annotations
 
