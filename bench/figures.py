@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -32,11 +33,11 @@ FIG8_BATCHES = (128, 256, 512, 1024, 1280, 1536)
 FIG8_NODES = (3, 4, 5)  # x 256 cores: 768, 1024, 1280
 STATIC = ("kubernetes", "trajectory-static:1")
 SEED = 0
-# Other traces the policies are compared on at batch 1,280 (CodingConfig overrides).
-VARIANTS: dict[str, dict[str, object]] = {
-    "default": {},
-    "heavy (busy 88%)": {"gap_median_s": 8.0, "tool_median_s": 8.0},
-    "20-40 turns": {"turns": (20, 40), "gap_median_s": 15.0},
+# Other traces the policies are compared on at batch 1,280.
+VARIANTS = {
+    "default": CodingConfig(),
+    "heavy (busy 88%)": CodingConfig(gap_median_s=8.0, tool_median_s=8.0),
+    "20-40 turns": CodingConfig(turns=(20, 40), gap_median_s=15.0),
 }
 VARIANT_POLICIES = (*FIG9_POLICIES, "trajectory-static:1")
 
@@ -46,7 +47,7 @@ Point = tuple[int, str, int, str, float, float, float]
 
 
 def coding(batch: int, variant: str = "default") -> Trace:
-    return ai_coding(CodingConfig(batch=batch, **VARIANTS[variant]), SEED)  # type: ignore[arg-type]
+    return ai_coding(replace(VARIANTS[variant], batch=batch), SEED)
 
 
 def point(args: tuple[int, str, int, str]) -> Point:
@@ -102,13 +103,10 @@ def main() -> None:
     fig8_cores: dict[str, dict[str, float]] = {}
     reward: dict[str, dict[str, float]] = {}  # mean ACT of the (elastic) reward actions alone
     tool: dict[str, dict[str, float]] = {}  # and of the one-core tool actions
-    variants: dict[str, dict[str, object]] = {
-        v: {"busy_fraction": round(busy_fraction(coding(1280, v)), 3), "act": {}}
-        for v in VARIANTS if v != "default"
-    }  # fmt: skip
+    variant_act: dict[str, dict[str, float]] = {}
     for batch, policy, nodes, variant, act, reward_act, tool_act in res:
         if variant != "default":
-            variants[variant]["act"][policy] = act  # type: ignore[index]
+            variant_act.setdefault(variant, {})[policy] = act
             continue
         if nodes == 5:
             if policy in FIG9_POLICIES:
@@ -128,7 +126,9 @@ def main() -> None:
          "tool_act": {k: tool[k] for k in sorted(tool, key=int)},
          "busy_fraction": round(busy_fraction(coding(1280)), 3),
          "floor": {str(b): floor(b) for b in FIG9_BATCHES},
-         "variants_at_1280": variants}, indent=1))  # fmt: skip
+         "variants_at_1280": {
+             v: {"busy_fraction": round(busy_fraction(coding(1280, v)), 3), "act": acts}
+             for v, acts in variant_act.items()}}, indent=1))  # fmt: skip
     (OUT / "fig8a.json").write_text(json.dumps(
         {"cores": 1280, "nodes": 5, "note": note, "baselines": list(STATIC),
          "points": {k: fig8_batch[k] for k in sorted(fig8_batch, key=int)},

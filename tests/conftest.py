@@ -3,7 +3,9 @@ whose services run as their own processes, exactly as ``tangram up`` runs them."
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +21,14 @@ FAST_SERVICES = {
     "TANGRAM_SCHEDULER_SWEEP_S": "1",
     "TANGRAM_CPU_HEARTBEAT_S": "0.5",
 }
+
+
+async def wait_for_file(path: Path, timeout_s: float = 15.0) -> None:
+    """Until an action has written ``path`` (it is in flight on its node), or fail."""
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(path.exists):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        await asyncio.sleep(0.02)
 
 
 def mesh_options(root: Path, **kw: object) -> MeshOptions:

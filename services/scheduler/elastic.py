@@ -144,37 +144,18 @@ def estimate(
         f -= units0
         if tails and obj >= 0.0 and (obj + len(rest) * t + tails[0]) * _SAFE >= best:
             continue  # cannot beat best: its exact sum is ≥ this bound
-        obj = _run_rest(obj, t, f, h, rest, tails, best)
+        left = len(rest)
+        for k, (need, dur) in enumerate(rest):
+            if obj >= best or (tails and (obj + (left - k) * t + tails[k]) * _SAFE >= best):
+                obj = INF
+                break  # the rest start no earlier than t and last at least tails[k]
+            if f < need:
+                t, f = _wait_for(t, f, need, h)
+            heapq.heappush(h, (t + dur, need))
+            f -= need
+            obj += t + dur
         best = min(best, obj)
     return best if best < bound else INF
-
-
-def _run_rest(
-    obj: float,
-    t: float,
-    f: int,
-    h: list[tuple[float, int]],
-    rest: Sequence[tuple[int, float]],
-    tails: Sequence[float],
-    best: float,
-) -> float:
-    """``obj`` plus the end times of ``rest`` started in order as units come back; INF as soon
-    as the sum cannot get below ``best`` (the rest start no earlier than t and last at least
-    tails[k]). The hot loop of a decision: ``_wait_for`` is inlined, lookups are local."""
-    push, pop = heapq.heappush, heapq.heappop
-    left = len(rest)
-    for k, (need, dur) in enumerate(rest):
-        if obj >= best or (tails and (obj + (left - k) * t + tails[k]) * _SAFE >= best):
-            return INF
-        while f < need and h:
-            end, back = pop(h)
-            f += back
-            if end > t:
-                t = end
-        push(h, (t + dur, need))
-        f -= need
-        obj += t + dur
-    return obj
 
 
 def _wait_for(t: float, f: int, need: int, h: list[tuple[float, int]]) -> tuple[float, int]:
@@ -232,9 +213,8 @@ class Objective:
                     self._tails[j] = list(accumulate(reversed(durs)))[::-1]
         self._released = list(zip(releases.ends, releases.units, strict=True))  # sorted: a heap
 
-    def __call__(self, t: int, bound: float = INF) -> float:
-        """Exact ACT part for the first t candidates plus the estimate for all behind them;
-        INF when that is not below ``bound`` (the passes stop as soon as they cannot beat it)."""
+    def __call__(self, t: int) -> float:
+        """Exact ACT part for the first t candidates plus the estimate for all behind them."""
         exact = self._table.objective(t)
         if not math.isfinite(exact):
             return exact
@@ -244,16 +224,14 @@ class Objective:
         alloc: list[int] = units_at.tolist()
         heap = self._released + list(zip((self._now + durs_at).tolist(), alloc, strict=True))
         heapq.heapify(heap)
-        head = t * self._now + exact
-        free, limit, tail = self._free - sum(alloc), bound - head, INF
+        free, tail = self._free - sum(alloc), INF
         # the level that won the last prefix goes first: its sum prunes the others early
         order = sorted(self._levels, key=lambda j: j != self._hint)
         for k, j in enumerate(order):
-            h = heap if k == len(order) - 1 else heap[:]
-            value = self._estimate(t, j, free, h, min(tail, limit))
+            value = self._estimate(t, j, free, heap if k == len(order) - 1 else heap[:], tail)
             if value < tail:
                 tail, self._hint = value, j
-        return head + tail if head + tail < bound else INF  # INF + x is INF
+        return t * self._now + exact + tail
 
     def _estimate(
         self, t: int, level: int, free: int, heap: list[tuple[float, int]], bound: float
@@ -282,16 +260,15 @@ def spread(n_choices: int, depth: int) -> tuple[int, ...]:
     return tuple(sorted({round(i * (n_choices - 1) / (depth - 1)) for i in range(depth)}))
 
 
-def greedy_evict(objective: Callable[[int, float], float], n: int, keep: int) -> int:
+def greedy_evict(objective: Callable[[int], float], n: int, keep: int) -> int:
     """Algorithm 1 lines 8-13: drop the last candidate while that lowers the objective.
 
-    ``objective(t, bound)`` may answer INF for anything not below ``bound``: only "lower or
-    not" matters. At least ``keep`` candidates stay: 1 when nothing runs in the pool, because
-    then no completion would ever come to reconsider an evicted head (the liveness guard).
+    At least ``keep`` candidates stay: 1 when nothing runs in the pool, because then no
+    completion would ever come to reconsider an evicted head (the liveness guard).
     """
-    t, obj = n, objective(n, INF)
+    t, obj = n, objective(n)
     while t > keep:
-        new = objective(t - 1, obj)
+        new = objective(t - 1)
         if new >= obj:
             break
         t, obj = t - 1, new

@@ -21,7 +21,7 @@ from tangram.client import Client
 from tangram.contract import Ack, Completion, Dispatch, NodeMessage, NodeReport, codec
 from tangram.launcher import Mesh
 
-from ..conftest import mesh_options
+from ..conftest import mesh_options, wait_for_file
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +36,6 @@ async def short_drain_mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
         yield m
     finally:
         await m.stop()
-
-
-async def wait_for_file(path: Path, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await asyncio.to_thread(path.exists):
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        await asyncio.sleep(0.02)
 
 
 async def test_action_longer_than_the_drain_ends_as_node_died(short_drain_mesh: Mesh, uid: str,

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from services.cpu_manager.process_backend import env_dirname
 from tangram import ActionSpec, ErrorKind, ExecAction
 from tangram.client import Client
 from tangram.launcher import Mesh
 
-from ..conftest import mesh_options
+from ..conftest import mesh_options, wait_for_file
 
 pytestmark = pytest.mark.slow
 
@@ -49,27 +48,19 @@ async def test_idle_environment_expires_and_its_trajectory_is_told(ttl_mesh: Mes
         assert fresh.ok
 
 
-async def test_sigterm_drains_in_flight_actions(mesh: Mesh, uid: str):
+async def test_sigterm_drains_in_flight_actions(mesh: Mesh, uid: str, tmp_path: Path):
+    marker = tmp_path / "started"
     async with Client.connect(mesh.nats_url) as client:
         spec = ActionSpec(action_id=f"{uid}-drain", job_id=uid, trajectory_id=uid,
-                          action=ExecAction(command="touch started; sleep 1; echo finished"))  # fmt: skip
+                          action=ExecAction(command=f"touch {marker}; sleep 1; echo finished"))  # fmt: skip
         await client.submit(spec)
-        await _until_started(mesh, uid)  # in flight on the node, not still being dispatched
+        await wait_for_file(marker)  # in flight on the node, not still being dispatched
         rc = await mesh.stop_service("cpu_manager.0")
         assert rc == 0
         await mesh.start_service("cpu_manager", 0)
         res = await client.result(spec.action_id, timeout=30)
     assert res.ok
     assert res.stdout == "finished\n"
-
-
-async def _until_started(mesh: Mesh, trajectory_id: str) -> None:
-    marker = mesh.opts.state_dir / "envs" / "node0" / env_dirname(trajectory_id) / "started"
-    for _ in range(200):
-        if marker.exists():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"the action never started: no {marker}")
 
 
 async def test_a_second_mesh_on_the_machine_leaves_the_first_ones_actions_alone(

@@ -5,39 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.formulation import Limits, formulate
 from services.scheduler.config import load
 from services.scheduler.core import SchedulerCore
 from services.scheduler.effects import Effect, StartOnNode
 from services.scheduler.policy import make_policy
-from tangram.contract import (
-    ActionResult,
-    ActionSpec,
-    ExecAction,
-    Inventory,
-    NodeReport,
-    NumaCores,
-    Timings,
-    UnifiedAction,
-)
 from tangram.errors import InvalidRequest
 
-
-def action(aid: str, tid: str, cpus: int | list[int] = 1) -> UnifiedAction:
-    spec = ActionSpec(action_id=aid, job_id="j", trajectory_id=tid, cpus=cpus, memory_mb=100,
-                      action=ExecAction(command="true"))  # fmt: skip
-    return formulate(spec, now=0.0, limits=Limits())
-
-
-def report(node: str, inc: str = "i0", cores: int = 4) -> NodeReport:
-    numa = (NumaCores(numa_node=0, cores=tuple(range(cores))),)
-    inv = Inventory(numa=numa, memory_mb=1000, backend="process", isolates=False)
-    return NodeReport(node_id=node, incarnation=inc, inventory=inv, full=True)
-
-
-def done(run: StartOnNode) -> ActionResult:
-    return ActionResult(action_id=run.action.spec.action_id, status="succeeded", exit_code=0,
-                        timings=Timings(submitted_at=0.0, started_at=1.0, finished_at=2.0))  # fmt: skip
+from .core_kit import action, done, report
 
 
 def core_with(*nodes: str, units: int = 2) -> SchedulerCore:
