@@ -328,11 +328,18 @@ class EnvExpired(_Msg, tag="env_expired"):
 
 class NodeLeaving(_Msg, tag="node_leaving"):
     """A node agent shutting down: ``draining`` first (send no new work; what runs finishes),
-    then gone (dispatch nothing more to this incarnation)."""
+    then gone (dispatch nothing more to this incarnation).
+
+    When gone, ``started`` names every action this incarnation took whose completion the
+    scheduler has not acknowledged, and ``envs`` the environments it held: any other
+    dispatch to it never started (the scheduler queues it again). ``None`` means unknown.
+    """
 
     node_id: NodeId
     incarnation: str
     draining: bool = False
+    started: tuple[str, ...] | None = None
+    envs: tuple[str, ...] | None = None
 
 
 NodeMessage = Completion | NodeReport | EnvExpired | NodeLeaving

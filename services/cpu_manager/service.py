@@ -119,17 +119,22 @@ class CpuManager(Service):
             await self.backend.kill(aid)
         if self._runs:
             await asyncio.wait(set(self._runs), timeout=2.0)
+        await self._cancel_tasks()  # no heartbeat may follow the goodbye and revive this node
         await self._flush_outbox()
+        started, envs = (*self.active, *self.outbox), tuple(self.backend.envs())
         await self.backend.close()
-        await self._leave(draining=False)
+        await self._leave(draining=False, started=started, envs=envs)
         if self.bus is not None:
             await self.bus.close()
 
-    async def _leave(self, *, draining: bool) -> None:
-        """Tell the scheduler we are draining, or gone (best effort: it may be down)."""
+    async def _leave(self, *, draining: bool, started: tuple[str, ...] | None = None,
+                     envs: tuple[str, ...] | None = None) -> None:  # fmt: skip
+        """Tell the scheduler we are draining, or gone with what we started and still hold
+        (best effort: it may be down)."""
         if self.bus is None:
             return
-        msg = NodeLeaving(node_id=self.node_id, incarnation=self.incarnation, draining=draining)
+        msg = NodeLeaving(node_id=self.node_id, incarnation=self.incarnation, draining=draining,
+                          started=started, envs=envs)  # fmt: skip
         with contextlib.suppress(TangramError):
             await self.bus.request(subjects.SCHED_NODES, msg, Ack, timeout=2.0)
 

@@ -33,11 +33,13 @@ from tangram.contract import (
     Allocation,
     ErrorKind,
     Inventory,
+    NodeLeaving,
     NodeReport,
     UnifiedAction,
 )
 
 RECENT_LIMIT = 200_000  # finished action ids remembered to make late duplicates harmless
+DEPARTED_LIMIT = 10_000  # node incarnations remembered as gone, so their late reports are ignored
 
 
 @dataclass
@@ -110,6 +112,7 @@ class SchedulerCore:
         self.queue: dict[str, UnifiedAction] = {}  # FCFS by insertion
         self.running: dict[str, Running] = {}
         self.recent: dict[str, None] = {}
+        self.departed: dict[tuple[str, str], None] = {}  # (node, incarnation) left or replaced
         self.not_before = 0.0
         self._views: dict[str, Waiting] = {}  # the policy's view of each queued action
         self._pools: dict[str, Policy] = {}  # node -> its own instance of a per-pool policy
@@ -148,11 +151,15 @@ class SchedulerCore:
         """Register a node or take its heartbeat, and reconcile what it runs with our books.
 
         A new incarnation of a known node means the old one died: what ran there and the
-        environments it held are lost.
+        environments it held are lost. A late report from an incarnation that left or was
+        replaced changes nothing (it must not bring a ghost of the node back).
         """
+        if (report.node_id, report.incarnation) in self.departed:
+            return []
         node = self.nodes.get(report.node_id)
         effects: list[Effect] = []
         if node is not None and node.incarnation != report.incarnation:
+            self._depart(node)
             effects += self._node_lost(node, now, "node agent restarted")
             node = None
         if node is None:
@@ -246,16 +253,41 @@ class SchedulerCore:
                 effects.append(self._end_env(env, "lost", f"node {node.node_id} died: {why}"))
         return effects
 
-    def node_leaving(self, node_id: str, incarnation: str, now: float,
-                     draining: bool = False) -> list[Effect]:  # fmt: skip
-        """A node agent is shutting down: first it drains (no new work), then it is gone."""
-        node = self.nodes.get(node_id)
-        if node is None or node.incarnation != incarnation:
+    def node_leaving(self, leaving: NodeLeaving, now: float) -> list[Effect]:
+        """A node agent is shutting down: first it drains (no new work), then it is gone.
+
+        When it is gone and says what it started, a dispatch it never started (it reached
+        the agent after it stopped taking work) goes back to the queue instead of failing,
+        and an environment booked for it but never created is released, not lost.
+        """
+        node = self.nodes.get(leaving.node_id)
+        if node is None or node.incarnation != leaving.incarnation:
             return []
-        if draining:
+        if leaving.draining:
             node.draining = True
             return []
-        return self._node_lost(node, now, "node agent shut down")
+        self._depart(node)
+        effects: list[Effect] = []
+        if leaving.started is not None:
+            effects += self._requeue_unstarted(node, set(leaving.started), set(leaving.envs or ()))
+        return effects + self._node_lost(node, now, "node agent shut down")
+
+    def _requeue_unstarted(self, node: Node, started: set[str], envs: set[str]) -> list[Effect]:
+        effects: list[Effect] = []
+        for aid, run in list(self.running.items()):
+            if run.node_id != node.node_id or aid in started:
+                continue
+            self._redo(aid, node)
+            env = self.envs.get(run.action.spec.trajectory_id)
+            if env is not None and env.node_id == node.node_id and env.trajectory_id not in envs:
+                why = f"node {node.node_id} left before creating it"
+                effects.append(self._end_env(env, "closed", why))  # nothing in it was lost
+        return effects
+
+    def _depart(self, node: Node) -> None:
+        self.departed[node.node_id, node.incarnation] = None
+        if len(self.departed) > DEPARTED_LIMIT:
+            del self.departed[next(iter(self.departed))]
 
     def env_expired(self, node_id: str, trajectory_id: str) -> list[Effect]:
         env = self.envs.get(trajectory_id)
@@ -284,6 +316,8 @@ class SchedulerCore:
         run = self.running.get(result.action_id)
         if run is None or run.node_id != node_id or run.action.attempt != attempt:
             return []
+        if run.incarnation != incarnation:
+            return []  # an agent that left or was replaced never ran this dispatch
         del self.running[result.action_id]
         node = self.nodes.get(node_id)
         if node is not None and node.incarnation == run.incarnation:

@@ -188,7 +188,7 @@ class Scheduler(Service):
                 await self.apply(self.core.env_expired(node_id, tid))
             case NodeLeaving(node_id=node_id, incarnation=inc, draining=draining):
                 log.info("node %s (%s) is %s", node_id, inc, "draining" if draining else "gone")
-                await self.apply(self.core.node_leaving(node_id, inc, now, draining))
+                await self.apply(self.core.node_leaving(req, now))
         self._dirty.set()
         return Ack()
 

@@ -18,7 +18,15 @@ from services.gateway.formulation import Limits, formulate
 from tangram import ActionSpec, ErrorKind, ExecAction, subjects
 from tangram.bus import Bus
 from tangram.client import Client
-from tangram.contract import Ack, Completion, Dispatch, NodeMessage, NodeReport, codec
+from tangram.contract import (
+    Ack,
+    Completion,
+    Dispatch,
+    NodeLeaving,
+    NodeMessage,
+    NodeReport,
+    codec,
+)
 from tangram.launcher import Mesh
 
 from ..conftest import mesh_options, wait_for_file
@@ -76,14 +84,17 @@ async def test_action_longer_than_the_drain_ends_as_node_died(short_drain_mesh: 
     assert (row["status"], row["error_kind"], terminal) == ("failed", "node_died", 1)
 
 
-class SilentScheduler:
-    """Listens where the scheduler listens and never answers: every request of the node agent
-    runs into its timeout, which is the agent's worst-case stop."""
+class FakeScheduler:
+    """Listens where the scheduler listens; silent, every request of the node agent runs into
+    its timeout (the agent's worst-case stop), or answering, it acks every message."""
 
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, answer: bool = False) -> None:
         self.bus = bus
+        self.answer = answer
         self.reports: asyncio.Queue[NodeReport] = asyncio.Queue()
         self.completions: list[Completion] = []
+        self.heard: list[NodeMessage] = []  # in arrival order
+        self.draining = asyncio.Event()
 
     async def start(self) -> None:
         await self.bus.nc.subscribe(subjects.SCHED_NODES, cb=self._on_msg)
@@ -94,17 +105,62 @@ class SilentScheduler:
             m = codec.decode(msg.data, NodeMessage)
         except (msgspec.ValidationError, msgspec.DecodeError):
             return
+        self.heard.append(m)
         if isinstance(m, NodeReport):
             self.reports.put_nowait(m)
         elif isinstance(m, Completion):
             self.completions.append(m)
+        elif isinstance(m, NodeLeaving) and m.draining:
+            self.draining.set()
+        if self.answer and msg.reply:
+            await self.bus.reply(msg, Ack())
 
-    async def dispatch(self, report: NodeReport, spec: ActionSpec) -> None:
+    async def dispatch(self, report: NodeReport, spec: ActionSpec, core: int = 0) -> None:
         action = formulate(spec, now=time.time(), limits=Limits())
         action = msgspec.structs.replace(action, attempt=1)
-        core = report.inventory.numa[0].cores[0]
-        cmd = Dispatch(action=action, cores=(core,), epoch=1, incarnation=report.incarnation)
-        await self.bus.request(subjects.node(report.node_id), cmd, Ack, timeout=5.0)
+        cmd = Dispatch(action=action, cores=(report.inventory.numa[0].cores[core],), epoch=1,
+                       incarnation=report.incarnation)  # fmt: skip
+        await self.bus.publish(subjects.node(report.node_id), cmd)
+        await self.bus.nc.flush()
+
+
+def exec_spec(uid: str, name: str, command: str) -> ActionSpec:
+    return ActionSpec(action_id=f"{uid}-{name}", job_id=uid, trajectory_id=f"{uid}-{name}",
+                      action=ExecAction(command=command))  # fmt: skip
+
+
+async def test_a_leaving_agent_names_what_it_started_and_goes_quiet(tmp_path: Path, uid: str):
+    """The goodbye lets the scheduler requeue a dispatch that arrived after intake stopped,
+    and no heartbeat follows it (a late one would bring a ghost of the node back)."""
+    mesh = Mesh(mesh_options(tmp_path / "mesh", env={"TANGRAM_DRAIN_S": "10"}))
+    marker = tmp_path / "started"
+    long = exec_spec(uid, "long", f"touch {marker}; sleep 1.5")
+    late = exec_spec(uid, "late", "echo never")
+    try:
+        await mesh.start_servers()
+        bus = await Bus.connect(mesh.nats_url, "answering-scheduler")
+        scheduler = FakeScheduler(bus, answer=True)
+        await scheduler.start()
+        await mesh.start_service("cpu_manager", 0)
+        report = await asyncio.wait_for(scheduler.reports.get(), 30)
+        await scheduler.dispatch(report, long)
+        await wait_for_file(marker)
+        stopping = asyncio.ensure_future(mesh.stop_service("cpu_manager.0"))
+        await asyncio.wait_for(scheduler.draining.wait(), 10)
+        await asyncio.sleep(0.5)  # the agent has stopped taking work
+        await scheduler.dispatch(report, late, core=1)
+        assert await stopping == 0
+        await asyncio.sleep(1.0)  # a heartbeat would have come by now
+        await bus.close()
+    finally:
+        await mesh.stop()
+    gone = [m for m in scheduler.heard if isinstance(m, NodeLeaving) and not m.draining]
+    assert len(gone) == 1
+    assert gone[0].started == ()  # the long action's completion was acknowledged
+    assert gone[0].envs == (long.trajectory_id,)
+    assert scheduler.heard[-1] is gone[0], "the agent spoke after saying goodbye"
+    done = [c.result for c in scheduler.completions]
+    assert [(r.action_id, r.status) for r in done] == [(long.action_id, "succeeded")]
 
 
 async def test_the_launcher_outwaits_the_agents_worst_case_stop(tmp_path: Path, uid: str):
@@ -116,7 +172,7 @@ async def test_the_launcher_outwaits_the_agents_worst_case_stop(tmp_path: Path, 
     try:
         await mesh.start_servers()
         bus = await Bus.connect(mesh.nats_url, "silent-scheduler")
-        scheduler = SilentScheduler(bus)
+        scheduler = FakeScheduler(bus)
         await scheduler.start()
         await mesh.start_service("cpu_manager", 0)
         report = await asyncio.wait_for(scheduler.reports.get(), 30)

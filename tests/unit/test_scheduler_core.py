@@ -16,7 +16,7 @@ from services.scheduler.effects import (
     KillOnNode,
     StartOnNode,
 )
-from tangram.contract import ActionResult, ErrorKind, NodeReport, RunningAction
+from tangram.contract import ActionResult, ErrorKind, NodeLeaving, NodeReport, RunningAction
 
 from .core_kit import action, done, report
 
@@ -27,6 +27,12 @@ def starts(effects: list) -> list[StartOnNode]:
 
 def finishes(effects: list) -> dict[str, ActionResult]:
     return {e.result.action_id: e.result for e in effects if isinstance(e, Finish)}
+
+
+def leaving(node: str, inc: str = "i0", draining: bool = False, started: tuple[str, ...] | None
+            = None, envs: tuple[str, ...] | None = None) -> NodeLeaving:  # fmt: skip
+    return NodeLeaving(node_id=node, incarnation=inc, draining=draining, started=started,
+                       envs=envs)  # fmt: skip
 
 
 def core_with(*reports: NodeReport, **cfg: float) -> SchedulerCore:
@@ -263,14 +269,74 @@ def test_a_draining_node_finishes_its_work_but_gets_no_new_work():
     core = core_with(report("n0", cores=2), report("n1", cores=2))
     core.enqueue(action("a", "t"), 0.0)
     (run,) = starts(core.schedule(0.0))
-    core.node_leaving(run.node_id, "i0", 0.5, draining=True)
+    core.node_leaving(leaving(run.node_id, draining=True), 0.5)
     core.enqueue(action("b", "t"), 1.0)  # bound to the draining node: waits
     core.enqueue(action("c", "fresh"), 1.0)  # new trajectory: goes elsewhere
     placed = starts(core.schedule(1.0))
     assert [(s.action.spec.action_id, s.node_id != run.node_id) for s in placed] == [("c", True)]
     assert "a" in finishes(core.complete(run.node_id, "i0", 1, done(run), 2.0))
-    gone = core.node_leaving(run.node_id, "i0", 3.0)
+    gone = core.node_leaving(leaving(run.node_id), 3.0)
     assert any(isinstance(e, EnvChanged) and e.status == "lost" for e in gone)
     lost = finishes(core.schedule(3.0))["b"]
+    assert lost.error is not None
+    assert lost.error.kind is ErrorKind.ENVIRONMENT_LOST
+
+
+def test_a_late_report_from_an_agent_that_left_brings_no_ghost_back():
+    core = core_with(report("n0", inc="old", cores=2))
+    core.node_leaving(leaving("n0", inc="old"), 1.0)
+    assert core.node_report(report("n0", inc="old", cores=2), 1.1) == []  # a last heartbeat
+    assert "n0" not in core.nodes
+    core.node_report(report("n0", inc="new", cores=2), 2.0)
+    core.enqueue(action("a", "t"), 2.0)
+    (run,) = starts(core.schedule(2.0))
+    assert run.incarnation == "new"
+    assert core.node_report(report("n0", inc="old", cores=2), 2.1) == []
+    assert core.running["a"].incarnation == "new"
+
+
+def test_a_replaced_agents_late_report_does_not_kill_the_new_ones_work():
+    core = core_with(report("n0", inc="old", cores=2))
+    core.node_report(report("n0", inc="new", cores=2), 1.0)  # restarted
+    core.enqueue(action("a", "t"), 1.0)
+    (run,) = starts(core.schedule(1.0))
+    assert core.node_report(report("n0", inc="old", cores=2), 1.2) == []
+    assert core.complete("n0", "old", 1, done(run), 1.3) == []  # not the one that ran it
+    assert "a" in finishes(core.complete("n0", "new", 1, done(run), 1.4))
+
+
+def test_a_dispatch_the_leaving_agent_never_started_runs_elsewhere():
+    core = core_with(report("n0", cores=1), report("n1", inc="i1", cores=1))
+    core.enqueue(action("old", "busy"), 0.0)
+    core.enqueue(action("new", "fresh"), 0.0)
+    placed = {s.action.spec.action_id: s for s in starts(core.schedule(0.0))}
+    first, late = placed["old"], placed["new"]
+    core.complete(first.node_id, first.incarnation, 1, done(first), 0.5)  # its env stays
+    # the agent of `late` stops taking work before the dispatch reaches it, then leaves
+    envs = (first.action.spec.trajectory_id,) if first.node_id == late.node_id else ()
+    gone = core.node_leaving(leaving(late.node_id, late.incarnation, started=(), envs=envs), 1.0)
+    assert "new" not in finishes(gone), "an action that never started was failed"
+    released = [e for e in gone if isinstance(e, EnvChanged) and e.trajectory_id == "fresh"]
+    assert [e.status for e in released] == ["closed"]
+    assert "fresh" not in core.gone_envs
+    (again,) = starts(core.schedule(1.0))
+    assert again.action.spec.action_id == "new"
+    assert again.node_id != late.node_id
+    assert again.action.attempt == 2  # a new attempt: word of the first changes nothing
+
+
+def test_what_the_leaving_agent_started_and_never_reported_done_fails_as_node_died():
+    core = core_with(report("n0", cores=2))
+    core.enqueue(action("a", "t"), 0.0)
+    core.enqueue(action("b", "t"), 0.0)
+    core.schedule(0.0)
+    gone = core.node_leaving(leaving("n0", started=("a",), envs=("t",)), 1.0)
+    died = finishes(gone)
+    assert died["a"].error is not None
+    assert died["a"].error.kind is ErrorKind.NODE_DIED
+    assert "b" not in died
+    assert "b" in core.queue  # never started: it waits for a node
+    assert [e.status for e in gone if isinstance(e, EnvChanged)] == ["lost"]
+    lost = finishes(core.schedule(1.5))["b"]  # its trajectory's environment went with the node
     assert lost.error is not None
     assert lost.error.kind is ErrorKind.ENVIRONMENT_LOST
