@@ -21,6 +21,8 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from services.scheduler import act_kernel
+
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 INF = float("inf")
@@ -266,19 +268,22 @@ class GreedyTable:
         gains[row[1:][step], pos[1:][step] - 1] = -np.diff(durs)[step]
         mins = units[starts].astype(np.int64)
         self._durs, self._starts = durs, starts
-        self._base = durs[starts]
+        self._base = np.concatenate(([0.0], np.cumsum(durs[starts])))  # prefix sums at minimum
         self._mins = mins
-        self._gains = gains
-        self._neg = -gains  # argpartition's key, negated once rather than per prefix
         # per prefix, as ints: the increments worth taking and the units left after the minimums
         self._positive = [0, *np.cumsum(np.count_nonzero(gains > 0.0, axis=1)).tolist()]
         self._slack = [capacity, *(capacity - np.cumsum(mins)).tolist()]
-        self._memo: dict[int, tuple[IntArray, FloatArray]] = {}
+        # every increment worth taking, best first (among equal gains, the earlier task's, and
+        # a task's in its own order): a prefix takes the first ones that belong to its tasks
+        order = np.argsort(-gains.ravel(), kind="stable")[: self._positive[-1]]
+        self._order_rows = (order // gains.shape[1]).astype(np.int64)
+        self._order_gains = gains.ravel()[order]
+        self._memo: dict[int, tuple[IntArray, float]] = {}
 
     def objective(self, t: int) -> float:
         if self._slack[t] < 0:
             return INF
-        return float(self._base[:t].sum() - self._picked(t)[1].sum())
+        return float(self._base[t]) - self._picked(t)[1]
 
     def allocation(self, t: int) -> tuple[int, ...]:
         return tuple(self.arrangement(t)[0].tolist())
@@ -286,24 +291,18 @@ class GreedyTable:
     def arrangement(self, t: int) -> tuple[IntArray, FloatArray]:
         """The allocation of the first t tasks and the duration of each there: the choices are
         contiguous, so task i's duration at min + extra is at offset extra of its durations."""
-        rows, _ = self._picked(t)
-        extra = np.bincount(rows, minlength=t)[:t] if t else np.zeros(0, dtype=np.int64)
+        extra, _ = self._picked(t)
         return self._mins[:t] + extra, self._durs[self._starts[:t] + extra]
 
-    def _picked(self, t: int) -> tuple[IntArray, FloatArray]:
-        """The increments the greedy takes for the first t tasks (memoized: the eviction loop
-        asks for the objective and then the allocation of the same prefix)."""
+    def _picked(self, t: int) -> tuple[IntArray, float]:
+        """Increments taken per task, and their gains summed, for the first t tasks (memoized:
+        the eviction loop asks for the objective and then the allocation of the same prefix)."""
         hit = self._memo.get(t)
         if hit is None:
-            hit = self._memo[t] = self._pick(t)
+            budget = max(0, min(self._slack[t], self._positive[t]))
+            hit = self._memo[t] = act_kernel.take_best(self._order_rows, self._order_gains, t,
+                                                       budget)  # fmt: skip
         return hit
-
-    def _pick(self, t: int) -> tuple[IntArray, FloatArray]:
-        budget = min(self._slack[t], self._positive[t])
-        if budget <= 0:
-            return np.zeros(0, dtype=np.int64), np.zeros(0)
-        top = np.argpartition(self._neg[:t].ravel(), budget - 1)[:budget]
-        return top // self._gains.shape[1], self._gains[:t].ravel()[top]
 
 
 def greedy_applies(tasks: Sequence[Task]) -> bool:

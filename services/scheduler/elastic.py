@@ -8,19 +8,20 @@ trajectories hold a reservation in this pool.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from itertools import accumulate
 
 import numpy as np
 
+from services.scheduler import act_kernel
 from services.scheduler.dparrange import (
     BasicOperator,
     ChunkOperator,
     DpOperator,
+    FloatArray,
+    IntArray,
     PrefixTable,
     Task,
     chunk_level,
@@ -32,7 +33,7 @@ from services.scheduler.durations import Amdahl, DurationLearner, DurationModel,
 from services.scheduler.policy import Busy, Waiting, fits_at_min
 
 DEFAULT_DURATION_S = 1.0
-INF = float("inf")
+HINTED_ROWS = 65_536  # rows remembered per policy for queued actions with their own hints
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +46,9 @@ class Row:
     min_units: int = field(init=False)
     convex: bool = field(init=False)  # the exact greedy of ``GreedyTable`` holds for this task
     options: tuple[tuple[int, float], ...] = field(init=False)  # (units, duration) pairs
-    levels: tuple[tuple[int, float], ...] = field(init=False)  # its option at each DoP level
+    level_units: tuple[int, ...] = field(init=False)  # its amount at each DoP level
+    level_durs: tuple[float, ...] = field(init=False)  # and its duration there
+    _own: dict[int, tuple[IntArray, FloatArray]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         pairs = tuple(zip(self.task.choices.tolist(), self.task.durations.tolist(), strict=True))
@@ -53,8 +56,21 @@ class Row:
         object.__setattr__(self, "min_units", int(self.task.choices[0]))
         object.__setattr__(self, "convex", greedy_applies((self.task,)))
         units, durs = [u for u, _ in pairs], dict(pairs)
-        levels = tuple((c, durs[c]) for c in (clamp_choice(units, m) for m in LEVELS))
-        object.__setattr__(self, "levels", levels)
+        at = [clamp_choice(units, m) for m in LEVELS]
+        object.__setattr__(self, "level_units", tuple(at))
+        object.__setattr__(self, "level_durs", tuple(durs[c] for c in at))
+        object.__setattr__(self, "_own", {})
+
+    def own(self, depth: int) -> tuple[IntArray, FloatArray]:
+        """The ``depth`` amounts (and their durations) it tries first in the estimate."""
+        hit = self._own.get(depth)
+        if hit is None:
+            pick = np.asarray(spread(self.task.choices.size, depth), dtype=np.int64)
+            hit = self._own[depth] = (
+                self.task.choices[pick].astype(np.int64),
+                self.task.durations[pick].astype(np.float64),
+            )
+        return hit
 
 
 # The DoP levels the estimate runs the queue at: powers of two, then "each at its maximum".
@@ -72,8 +88,14 @@ def make_row(w: Waiting, learner: DurationLearner | None, default_s: float) -> R
         return _model_row(w.choices, Amdahl(w.t_ori_s, w.parallel_fraction))
     model = resolve(w.profile, w.t_ori_s, w.parallel_fraction, learner)
     if model is None:
-        return Row(Task(np.asarray(w.choices[:1], dtype=np.int64), np.array([default_s])), False)
+        return _min_row(w.choices[0], default_s)
     return _model_row(w.choices, model)
+
+
+@lru_cache(maxsize=1024)
+def _min_row(units: int, duration_s: float) -> Row:
+    """An action nothing is known of: its minimum, for the default duration."""
+    return Row(Task(np.array([units], dtype=np.int64), np.array([duration_s])), False)
 
 
 @lru_cache(maxsize=8192)
@@ -112,66 +134,6 @@ def _expected_end(b: Busy, now: float, learner: DurationLearner | None, default_
     return max(now, b.started_at + float(model.durations(np.array([b.units]))[0]))
 
 
-def estimate(
-    now: float,
-    free: int,
-    heap: list[tuple[float, int]],
-    first: Sequence[tuple[int, float]],
-    rest: Sequence[tuple[int, float]],
-    tails: Sequence[float] = (),
-    bound: float = INF,
-) -> float:
-    """Algorithm 2's ``estimate``: the sum of the end times of the remaining actions, started in
-    FCFS order as units come back (``heap`` holds the (end, units) releases); the first one
-    tries each of its ``first`` amounts and the best sum is kept. ``rest`` gives the amount and
-    duration each later action runs at (the caller picks them: see ``Objective``).
-
-    Units-aware: an action starts when enough units are free, not when any one action ends.
-
-    ``tails[k]``, when given, lower-bounds the durations of ``rest[k:]`` summed (every time and
-    duration ≥ 0): an option of the first action is abandoned as soon as even starting all of
-    the rest at once could not beat the best one (or ``bound``), which leaves the result as is;
-    INF when nothing beats ``bound``.
-    """
-    if not first:
-        return 0.0
-    best = bound
-    for i, (units0, dur0) in enumerate(first):
-        h = heap if i == len(first) - 1 else heap[:]
-        t, f = _wait_for(now, free, units0, h)
-        obj = t + dur0
-        heapq.heappush(h, (obj, units0))
-        f -= units0
-        if tails and obj >= 0.0 and (obj + len(rest) * t + tails[0]) * _SAFE >= best:
-            continue  # cannot beat best: its exact sum is ≥ this bound
-        left = len(rest)
-        for k, (need, dur) in enumerate(rest):
-            if obj >= best or (tails and (obj + (left - k) * t + tails[k]) * _SAFE >= best):
-                obj = INF
-                break  # the rest start no earlier than t and last at least tails[k]
-            if f < need:
-                t, f = _wait_for(t, f, need, h)
-            heapq.heappush(h, (t + dur, need))
-            f -= need
-            obj += t + dur
-        best = min(best, obj)
-    return best if best < bound else INF
-
-
-def _wait_for(t: float, f: int, need: int, h: list[tuple[float, int]]) -> tuple[float, int]:
-    """Pop releases in (end, units) order until ``need`` units are free: the time and free units."""
-    while f < need and h:
-        end, back = heapq.heappop(h)
-        f += back
-        if end > t:
-            t = end
-    return t, f
-
-
-# A bound on the rounding of a float sum of a few hundred terms ≥ 0 (relative, generous).
-_SAFE = 1.0 - 1e-9
-
-
 class Objective:
     """Algorithm 2's ``getApproximatedObjective`` for the FCFS prefixes of the candidates.
 
@@ -185,8 +147,8 @@ class Objective:
     behind it, and an eviction pays when waiting for more units beats that.
 
     Built once per decision, evaluated once per prefix: the table gives a prefix's allocation
-    with the candidates' durations there in one vectorized step; the running actions' releases
-    are sorted, hence already a heap.
+    with the candidates' durations there in one vectorized step; the simulations behind it run
+    compiled (``act_kernel``), every level's amounts and durations laid out once as arrays.
     """
 
     def __init__(
@@ -201,17 +163,17 @@ class Objective:
         self._rows, self._table = rows, table
         self._free, self._now, self._depth = free, now, depth
         top = max((r.options[-1][0] for r in rows if r.elastic), default=1)
-        self._levels = levels_for(top)
-        self._hint = self._levels[0]  # the level that won the last prefix looked at
-        self._rest = {j: [r.levels[j] for r in rows] for j in self._levels}
+        levels = levels_for(top)
+        pick = list(levels)  # level -> row: each action's amount and duration at the level
+        self._units = np.array([r.level_units for r in rows], dtype=np.int64).T[pick].copy()
+        self._durs = np.array([r.level_durs for r in rows], dtype=np.float64).T[pick].copy()
         # suffix sums of the durations at each level: the bound of ``estimate``, for times ≥ 0
-        self._tails: dict[int, list[float]] = {}
-        if now >= 0.0 and min(releases.ends, default=0) >= 0:
-            for j, rest in self._rest.items():
-                durs = [d for _, d in rest]
-                if min(durs, default=0) >= 0:
-                    self._tails[j] = list(accumulate(reversed(durs)))[::-1]
-        self._released = list(zip(releases.ends, releases.units, strict=True))  # sorted: a heap
+        self._tails = np.cumsum(self._durs[:, ::-1], axis=1)[:, ::-1].copy()
+        ok = now >= 0.0 and min(releases.ends, default=0) >= 0
+        self._bounded = np.array([ok and (d.size == 0 or d.min() >= 0) for d in self._durs])
+        self._hint = 0  # the level that won the last prefix looked at
+        self._rel_ends = np.asarray(releases.ends, dtype=np.float64)
+        self._rel_units = np.asarray(releases.units, dtype=np.int64)
 
     def __call__(self, t: int) -> float:
         """Exact ACT part for the first t candidates plus the estimate for all behind them."""
@@ -221,31 +183,13 @@ class Objective:
         if t >= len(self._rows):
             return t * self._now + exact
         units_at, durs_at = self._table.arrangement(t)
-        alloc: list[int] = units_at.tolist()
-        heap = self._released + list(zip((self._now + durs_at).tolist(), alloc, strict=True))
-        heapq.heapify(heap)
-        free, tail = self._free - sum(alloc), INF
-        # the level that won the last prefix goes first: its sum prunes the others early
-        order = sorted(self._levels, key=lambda j: j != self._hint)
-        for k, j in enumerate(order):
-            value = self._estimate(t, j, free, heap if k == len(order) - 1 else heap[:], tail)
-            if value < tail:
-                tail, self._hint = value, j
-        return t * self._now + exact + tail
-
-    def _estimate(
-        self, t: int, level: int, free: int, heap: list[tuple[float, int]], bound: float
-    ) -> float:
-        """The estimate behind prefix t with the rest at ``level``. At the lowest level (every
-        action at its minimum: the paper's estimate) the first of them tries ``depth`` of its
-        own amounts; at the others it runs at the level too."""
         head = self._rows[t]
-        if level == self._levels[0]:
-            first = [head.options[i] for i in spread(len(head.options), self._depth)]
-        else:
-            first = [head.levels[level]]
-        tails = self._tails[level][t + 1 :] if level in self._tails else ()
-        return estimate(self._now, free, heap, first, self._rest[level][t + 1 :], tails, bound)
+        tail, self._hint = act_kernel.best_level(
+            self._now, self._free, self._rel_ends, self._rel_units, units_at, durs_at,
+            *head.own(self._depth), self._units, self._durs, self._tails, self._bounded,
+            self._hint,
+        )  # fmt: skip
+        return t * self._now + exact + tail
 
 
 @lru_cache(maxsize=4096)
@@ -290,10 +234,25 @@ class ElasticPolicy:
         self.name = "elastic" if depth == 2 else f"elastic:{depth}"
         self.depth, self.horizon, self.default_s = depth, horizon, default_s
         self.learner = learner if learner is not None else DurationLearner()
+        self._hinted: dict[int, tuple[Waiting, Row]] = {}
+        act_kernel.warm()  # compiled before the first decision, never during one
 
     def observe(self, profile: str, units: int, exec_s: float) -> None:
         """Learn from a completed action (feeds durations of profiles without hints)."""
         self.learner.observe(profile, units, exec_s)
+
+    def _row(self, w: Waiting) -> Row:
+        """``make_row``, remembered per queued action when its own hints fix it: the core
+        passes the same view of an action to every decision while it waits."""
+        hit = self._hinted.get(id(w))
+        if hit is not None and hit[0] is w:
+            return hit[1]
+        row = make_row(w, self.learner, self.default_s)
+        if w.t_ori_s is not None and w.parallel_fraction is not None:
+            if len(self._hinted) >= HINTED_ROWS:
+                self._hinted.clear()
+            self._hinted[id(w)] = (w, row)  # holding w keeps its id from being reused
+        return row
 
     def arrange(
         self,
@@ -331,7 +290,7 @@ class ElasticPolicy:
         running: Sequence[Busy],
         now: float,
     ) -> list[int]:
-        rows = [make_row(w, self.learner, self.default_s) for w in waiting[: n + self.horizon]]
+        rows = [self._row(w) for w in waiting[: n + self.horizon]]
         if not any(r.elastic for r in rows[:n]):
             return [r.min_units for r in rows[:n]]  # Alg. 1 lines 6-7: nothing to scale
         cands = rows[:n]

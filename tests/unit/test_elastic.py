@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.scheduler import act_kernel
 from services.scheduler.dparrange import (
     BasicOperator,
     ChunkOperator,
@@ -202,6 +203,46 @@ def _ref_wait(t: float, f: int, need: int, h: list[tuple[float, int]]) -> tuple[
         end, back = heapq.heappop(h)
         t, f = max(t, end), f + back
     return t, f
+
+
+releases = st.lists(st.tuples(st.floats(0, 50, allow_subnormal=False), st.integers(1, 8)),
+                   max_size=12)  # fmt: skip
+amounts = st.lists(st.tuples(st.integers(1, 8), st.floats(0, 30, allow_subnormal=False)),
+                   min_size=1, max_size=3)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(releases, amounts, st.lists(st.tuples(st.integers(1, 8),
+       st.floats(0, 30, allow_subnormal=False)), max_size=25), st.integers(0, 16))  # fmt: skip
+def test_compiled_estimate_equals_the_plain_heap_simulation(
+    heap: list[tuple[float, int]], first: list[tuple[int, float]],
+    rest: list[tuple[int, float]], free: int,
+) -> None:  # fmt: skip
+    """Same pops, same pushes, same sums in the same order: equal to the last bit, with and
+    without the pruning bound (which may only cut options that cannot win)."""
+    heapq.heapify(heap)
+    expected = _reference_estimate(1.0, free, heap, first, rest)
+    ends = np.array([e for e, _ in heap], dtype=np.float64)
+    units = np.array([u for _, u in heap], dtype=np.int64)
+    fu = np.array([u for u, _ in first], dtype=np.int64)
+    fd = np.array([d for _, d in first], dtype=np.float64)
+    ru = np.array([u for u, _ in rest], dtype=np.int64)
+    rd = np.array([d for _, d in rest], dtype=np.float64)
+    tails = np.cumsum(rd[::-1])[::-1].copy()
+    for t in (np.empty(0), tails):
+        got = act_kernel.estimate(1.0, free, ends, units, fu, fd, ru, rd, t, math.inf)
+        assert got == expected
+
+
+def test_the_greedy_take_is_the_best_increments_of_the_prefix():
+    gains = np.array([[5.0, 3.0, 1.0], [4.0, 3.0, 0.5], [9.0, 0.2, 0.1]])
+    order = np.argsort(-gains.ravel(), kind="stable")
+    rows, flat = (order // 3).astype(np.int64), gains.ravel()[order]
+    extra, total = act_kernel.take_best(rows, flat, 2, 3)  # task 2 (gain 9) is not in it
+    assert extra.tolist() == [2, 1]
+    assert total == 5.0 + 4.0 + 3.0  # the tie at 3.0 goes to the earlier task
+    extra, total = act_kernel.take_best(rows, flat, 3, 2)
+    assert (extra.tolist(), total) == ([1, 0, 1], 14.0)
 
 
 def _ref_at(row: Row, m: int) -> tuple[int, float]:
