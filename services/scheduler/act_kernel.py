@@ -201,6 +201,41 @@ def take_best(
     return extra, total
 
 
+@njit(cache=True)
+def chunk_step(
+    dp: np.ndarray, nxt: np.ndarray, levels: np.ndarray, choices: np.ndarray, durs: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One task added to Algorithm 4's DP over free-chunk states: per target state the cheapest
+    way in, then the fewest units, then the lowest source state. ``nxt[s, level]`` is the state
+    after taking a 2**level chunk from s (-1: none free); choice c takes ``levels[c]``."""
+    n = dp.size
+    new = np.full(n, INF)
+    chosen = np.zeros(n, dtype=np.int64)
+    parent = np.full(n, -1, dtype=np.int64)
+    for s in range(n):
+        if not np.isfinite(dp[s]):
+            continue
+        for c in range(choices.size):
+            tgt = nxt[s, levels[c]]
+            if tgt < 0:
+                continue
+            v, u = dp[s] + durs[c], choices[c]
+            if v < new[tgt] or (v == new[tgt] and u < chosen[tgt]):
+                new[tgt], chosen[tgt], parent[tgt] = v, u, s
+    return new, chosen, parent
+
+
+@njit(cache=True)
+def backtrack(state: int, chosen: np.ndarray, parent: np.ndarray, t: int) -> np.ndarray:
+    """Units per task of the DP's arrangement of the first ``t`` tasks ending in ``state``
+    (row i of ``chosen``/``parent`` is the layer of task i)."""
+    out = np.empty(t, dtype=np.int64)
+    for i in range(t - 1, -1, -1):
+        out[i] = chosen[i, state]
+        state = parent[i, state]
+    return out
+
+
 def warm() -> None:
     """Compile (or load from the cache) every kernel with the types decisions call them with."""
     one_f, one_i = np.ones(1), np.ones(1, dtype=np.int64)
@@ -208,3 +243,5 @@ def warm() -> None:
     best_level(0.0, 1, one_f, one_i, one_i, one_f, one_i, one_f, grid_i, grid_f, grid_f,
                np.ones(2, dtype=np.bool_), 0)  # fmt: skip
     take_best(one_i, one_f, 1, 1)
+    chunk_step(one_f, grid_i, one_i - 1, one_i, one_f)
+    backtrack(0, grid_i, grid_i, 1)

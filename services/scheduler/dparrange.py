@@ -131,27 +131,8 @@ class ChunkOperator:
     def step(
         self, dp: FloatArray, choices: IntArray, durs: FloatArray
     ) -> tuple[FloatArray, IntArray, IntArray]:
-        n = dp.size
-        src = np.arange(n, dtype=np.int64)
-        srcs, tgts, vals, units = [], [], [], []
-        for k, d in zip(choices.tolist(), durs.tolist(), strict=True):
-            tgt = self._next[:, chunk_level(k)]
-            ok = (tgt >= 0) & np.isfinite(dp)
-            srcs.append(src[ok])
-            tgts.append(tgt[ok])
-            vals.append(dp[ok] + d)
-            units.append(np.full(int(ok.sum()), k, dtype=np.int64))
-        s, t, v, u = (np.concatenate(x) for x in (srcs, tgts, vals, units))
-        new = np.full(n, INF)
-        chosen = np.zeros(n, dtype=np.int64)
-        parent = np.full(n, -1, dtype=np.int64)
-        if t.size:
-            order = np.lexsort((u, v, t))  # per target: cheapest, then fewest units
-            first = order[np.unique(t[order], return_index=True)[1]]
-            new[t[first]] = v[first]
-            chosen[t[first]] = u[first]
-            parent[t[first]] = s[first]
-        return new, chosen, parent
+        levels = np.fromiter((chunk_level(k) for k in choices.tolist()), np.int64, choices.size)
+        return act_kernel.chunk_step(dp, self._next, levels, choices, durs)
 
 
 @lru_cache(maxsize=64)
@@ -197,6 +178,7 @@ class DpTable:
         self._best: list[int] = [op.start]
         self._cost: list[float] = [0.0]
         self._layers: list[tuple[IntArray, IntArray]] = []
+        self._stacked: tuple[IntArray, IntArray] | None = None
         for task in tasks:
             if not np.isfinite(self._cost[-1]):
                 break  # an infeasible prefix stays infeasible
@@ -211,18 +193,23 @@ class DpTable:
 
     def allocation(self, t: int) -> tuple[int, ...]:
         """Units per task of the optimal arrangement of the first t tasks (backtracking)."""
-        state, out = self._best[t], []
-        for chosen, parent in reversed(self._layers[:t]):
-            out.append(int(chosen[state]))
-            state = int(parent[state])
-        return tuple(reversed(out))
+        return tuple(self._backtrack(t).tolist())
 
     def arrangement(self, t: int) -> tuple[IntArray, FloatArray]:
         """The allocation of the first t tasks and the duration of each there."""
         if self._flat is None:
             self._flat = FlatTasks(self._tasks)
-        units = np.asarray(self.allocation(t), dtype=np.int64)
+        units = self._backtrack(t)
         return units, self._flat.durations_at(units)
+
+    def _backtrack(self, t: int) -> IntArray:
+        if t == 0:
+            return np.zeros(0, dtype=np.int64)
+        if self._stacked is None:  # the layers as two matrices, once the eviction asks
+            self._stacked = (np.stack([c for c, _ in self._layers]),
+                             np.stack([p for _, p in self._layers]))  # fmt: skip
+        out: IntArray = act_kernel.backtrack(self._best[t], *self._stacked, t)
+        return out
 
 
 class FlatTasks:
