@@ -97,6 +97,10 @@ async def test_scheduler_and_node_subjects_reject_garbage(mesh: Mesh, client: Cl
                            "attempt": "one", "result": {}})  # fmt: skip
     reply = await nc.request(subjects.SCHED_NODES, bad_completion, timeout=10)
     assert "attempt" in codec.decode(reply.data, NodeMessage | ErrorReply).message
+    bad_goodbye = pack({"type": "node_leaving", "node_id": "node0", "incarnation": "x",
+                        "started": [1, 2]})  # fmt: skip
+    reply = await nc.request(subjects.SCHED_NODES, bad_goodbye, timeout=10)
+    assert "started" in codec.decode(reply.data, NodeMessage | ErrorReply).message
     ok = await client.exec("echo alive", trajectory_id=uid, job_id=uid, wait_s=30)
     assert ok.ok
 

@@ -291,36 +291,39 @@ def _reference_levels(rows: list[Row]) -> list[int]:
 
 
 class _ReferenceGreedy:
-    """``GreedyTable`` as first written (same argpartition, hence the same float sums)."""
+    """``GreedyTable`` written plainly: per prefix, every increment of its tasks sorted best
+    first (equal gains: the earlier task's, then in the task's own order), the first worth
+    taking that the slack allows, summed in that order."""
 
     def __init__(self, capacity: int, tasks: list[Task]) -> None:
-        width = max(int(t.choices.size) for t in tasks)
-        gains = np.full((len(tasks), max(width - 1, 1)), -np.inf)
-        for i, t in enumerate(tasks):
-            if t.choices.size > 1:
-                gains[i, : t.choices.size - 1] = -np.diff(t.durations)
-        mins = np.array([int(t.choices[0]) for t in tasks], dtype=np.int64)
-        self._base = np.array([float(t.durations[0]) for t in tasks])
-        self._mins, self._gains = mins, gains
-        self._slack = capacity - np.concatenate(([0], np.cumsum(mins)))
+        self._tasks = tasks
+        self._capacity = capacity
 
     def objective(self, t: int) -> float:
-        if self._slack[t] < 0:
+        slack = self._capacity - sum(int(task.choices[0]) for task in self._tasks[:t])
+        if slack < 0:
             return np.inf
-        return float(self._base[:t].sum() - self._picked(t)[1].sum())
+        taken = self._taken(t, slack)
+        base = 0.0
+        for task in self._tasks[:t]:
+            base += float(task.durations[0])
+        gained = 0.0
+        for gain, _, _ in taken:
+            gained += gain
+        return base - gained
 
     def allocation(self, t: int) -> tuple[int, ...]:
-        rows, _ = self._picked(t)
-        extra = np.bincount(rows, minlength=t)[:t] if t else np.zeros(0, dtype=np.int64)
-        return tuple(int(x) for x in self._mins[:t] + extra)
+        slack = self._capacity - sum(int(task.choices[0]) for task in self._tasks[:t])
+        extra = [0] * t
+        for _, row, _ in self._taken(t, slack):
+            extra[row] += 1
+        return tuple(int(task.choices[0]) + e for task, e in zip(self._tasks, extra, strict=False))
 
-    def _picked(self, t: int) -> tuple[np.ndarray, np.ndarray]:
-        flat = self._gains[:t].ravel()
-        budget = int(min(self._slack[t], np.count_nonzero(flat > 0.0)))
-        if budget <= 0:
-            return np.zeros(0, dtype=np.int64), np.zeros(0)
-        top = np.argpartition(-flat, budget - 1)[:budget]
-        return top // self._gains.shape[1], flat[top]
+    def _taken(self, t: int, slack: int) -> list[tuple[float, int, int]]:
+        incs = [(float(g), row, k) for row, task in enumerate(self._tasks[:t])
+                for k, g in enumerate(-np.diff(task.durations)) if g > 0.0]  # fmt: skip
+        incs.sort(key=lambda x: (-x[0], x[1], x[2]))
+        return incs[: max(slack, 0)]
 
 
 def _reference_row(w: Waiting, policy: ElasticPolicy) -> Row:
