@@ -55,6 +55,14 @@ def load(
         raise InvalidRequest(f"bad {typ.__name__}: {exc}") from exc
 
 
+def service(
+    typ: type[C], prefix: str, overrides: Mapping[str, Any] | None = None
+) -> tuple[MeshConfig, C]:
+    """A service's mesh config and its own: each takes the ``overrides`` that name its fields."""
+    own = {k: v for k, v in (overrides or {}).items() if k in typ.__struct_fields__}
+    return mesh(overrides), load(typ, prefix, own)
+
+
 def mesh(overrides: Mapping[str, Any] | None = None) -> MeshConfig:
     """The mesh config; OTel's standard variable names the collector."""
     extra = {k: v for k, v in (overrides or {}).items() if k in MeshConfig.__struct_fields__}

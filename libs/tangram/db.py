@@ -12,6 +12,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from importlib import resources
 from typing import Any, Generic, TypeVar
 
@@ -215,22 +216,17 @@ class GroupCommit(Generic[T, R]):
         """One flush; a durable writer retries it until it commits."""
         if self._retry is None:
             return await self._flush(items)
-        delay, tries = self._retry.first_s, 0
-        while True:
-            try:
-                return await self._flush(items)
-            except Exception as exc:
-                if not transient(exc):  # only these count: an outage may last any time
-                    tries += 1
-                    if tries >= self._retry.permanent_tries:
-                        raise WriterFailed(
-                            f"{self._name}: write failed {tries} times: {exc}"
-                        ) from exc
-                self.retries += 1
-                log.warning("%s: write of %d items failed (%s); retrying in %.2fs",
-                            self._name, len(items), exc, delay)  # fmt: skip
-            await asyncio.sleep(delay)
-            delay = min(self._retry.max_s, delay * 2)
+        try:
+            return await retrying(partial(self._flush, items), backoff=self._retry,
+                                  what=f"{self._name}: write of {len(items)} items",
+                                  on_retry=self._count_retry)  # fmt: skip
+        except Exception as exc:  # not transient, and it kept failing
+            raise WriterFailed(
+                f"{self._name}: write failed {self._retry.permanent_tries} times: {exc}"
+            ) from exc
+
+    def _count_retry(self) -> None:
+        self.retries += 1
 
 
 def _fail(batch: Sequence[tuple[object, asyncio.Future[Any]]], error: Exception) -> None:
@@ -240,15 +236,31 @@ def _fail(batch: Sequence[tuple[object, asyncio.Future[Any]]], error: Exception)
             fut.exception()  # retrieved here: callers that stopped waiting don't warn
 
 
-async def retrying(op: Callable[[], Awaitable[R]], *, what: str, max_delay_s: float = 2.0) -> R:
-    """Run ``op`` until it succeeds, backing off while Postgres is unreachable or restarting."""
-    delay = 0.05
+# Retry only while Postgres is unreachable or restarting; any other error at once.
+UNTIL_UP = Backoff(permanent_tries=1)
+
+
+async def retrying(
+    op: Callable[[], Awaitable[R]],
+    *,
+    what: str,
+    backoff: Backoff = UNTIL_UP,
+    on_retry: Callable[[], None] | None = None,
+) -> R:
+    """Run ``op`` until it succeeds, with capped exponential backoff: forever while the error
+    is transient (Postgres unreachable, restarting, busy), ``backoff.permanent_tries`` times in
+    all when it is not (then that error is raised)."""
+    delay, failures = backoff.first_s, 0
     while True:
         try:
             return await op()
         except Exception as exc:
-            if not transient(exc):
-                raise
-            log.warning("%s: Postgres unavailable (%s); retrying in %.2fs", what, exc, delay)
+            if not transient(exc):  # only these count: an outage may last any time
+                failures += 1
+                if failures >= backoff.permanent_tries:
+                    raise
+            log.warning("%s failed (%s); retrying in %.2fs", what, exc, delay)
+            if on_retry is not None:
+                on_retry()
         await asyncio.sleep(delay)
-        delay = min(max_delay_s, delay * 2)
+        delay = min(backoff.max_s, delay * 2)

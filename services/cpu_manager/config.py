@@ -9,11 +9,15 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from services.cpu_manager.docker_config import NonNegInt, PositiveInt
 from tangram import config
 from tangram.config import MeshConfig
 
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+# A Docker network to join (a name, "bridge", "host"), and extra binds for sandboxes,
+# comma-separated absolute HOST:CONTAINER[:ro|rw]: checked here, not by the engine later.
+NetworkMode = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
+MOUNT = r"/[^:,]+:/[^:,]+(:(ro|rw))?"
+Mounts = Annotated[str, msgspec.Meta(pattern=rf"^\s*({MOUNT}\s*(,\s*({MOUNT}\s*)?)*)?$")]
 
 
 class CpuManagerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -30,11 +34,11 @@ class CpuManagerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     exec_mode: Literal["executor", "docker_exec"] = "executor"  # in-container executor, or exec
     cpuset_via: Literal["auto", "cgroup", "docker"] = "auto"  # cgroup files or `docker update`
     pids_limit: PositiveInt = 512  # processes per sandbox
-    network_mode: str = "bridge"  # the network of environments that ask for one (default: none)
+    network_mode: NetworkMode = "bridge"  # for environments that ask for a network (else none)
     warm_pool: NonNegInt = 2  # pre-created containers per pooled image
     pool_images: str = ""  # images with a warm pool, comma-separated ("" = the default image)
     max_envs: PositiveInt = 64  # environments per node
-    mounts: str = ""  # extra binds for sandboxes, comma-separated HOST:CONTAINER[:ro|rw]
+    mounts: Mounts = ""  # extra binds for sandboxes, comma-separated HOST:CONTAINER[:ro|rw]
 
     def env_root(self) -> Path:
         return Path(self.state_dir).resolve() / "envs" / self.node_id
@@ -46,8 +50,7 @@ def split_list(text: str) -> tuple[str, ...]:
 
 
 def load(overrides: Mapping[str, Any] | None = None) -> tuple[MeshConfig, CpuManagerConfig]:
-    own = {k: v for k, v in (overrides or {}).items() if k in CpuManagerConfig.__struct_fields__}
-    return config.mesh(overrides), config.load(CpuManagerConfig, "TANGRAM_CPU_", own)
+    return config.service(CpuManagerConfig, "TANGRAM_CPU_", overrides)
 
 
 def load_own(overrides: Mapping[str, Any] | None = None) -> CpuManagerConfig:

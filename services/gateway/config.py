@@ -19,4 +19,4 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def load(overrides: Mapping[str, Any] | None = None) -> tuple[MeshConfig, GatewayConfig]:
-    return config.mesh(overrides), config.load(GatewayConfig, "TANGRAM_GATEWAY_")
+    return config.service(GatewayConfig, "TANGRAM_GATEWAY_", overrides)

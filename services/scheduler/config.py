@@ -29,4 +29,4 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def load(overrides: Mapping[str, Any] | None = None) -> tuple[MeshConfig, SchedulerConfig]:
-    return config.mesh(overrides), config.load(SchedulerConfig, "TANGRAM_SCHEDULER_")
+    return config.service(SchedulerConfig, "TANGRAM_SCHEDULER_", overrides)

@@ -131,3 +131,11 @@ def test_a_bad_policy_is_refused_at_config_decode(
 def test_a_good_policy_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANGRAM_SCHEDULER_POLICY", "trajectory-static:3")
     assert load()[1].policy == "trajectory-static:3"
+
+
+def test_overrides_reach_the_scheduler_and_the_mesh(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANGRAM_SCHEDULER_POLICY", "min")
+    mesh, cfg = load({"policy": "fixed-dop:4", "nats_url": "nats://127.0.0.1:4999"})
+    assert (cfg.policy, mesh.nats_url) == ("fixed-dop:4", "nats://127.0.0.1:4999")
+    with pytest.raises(InvalidRequest, match="TANGRAM_SCHEDULER_POLICY"):
+        load({"policy": "fastest"})
