@@ -30,8 +30,9 @@ docker-engine:  ## install a Docker engine and a compose tool if absent (tests s
 	bash scripts/docker-engine.sh
 	bash scripts/compose-tool.sh
 
-test: setup docker-engine  ## lint, types, then the whole suite against real NATS, Postgres, Docker
+test: setup docker-engine  ## lint, format, types, then the whole suite against real NATS, Postgres, Docker
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/pytest $(PYTEST_ARGS)
 

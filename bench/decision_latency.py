@@ -34,8 +34,10 @@ def timed(fn: Callable[[], object], reps: int = REPS) -> dict[str, float]:
         fn()
         samples.append((time.perf_counter_ns() - t0) / 1e3)
     a = np.array(samples)
-    return {"p50_us": round(float(np.percentile(a, 50)), 1),
-            "p99_us": round(float(np.percentile(a, 99)), 1)}  # fmt: skip
+    return {
+        "p50_us": round(float(np.percentile(a, 50)), 1),
+        "p99_us": round(float(np.percentile(a, 99)), 1),
+    }
 
 
 def cpu_queue(rng: np.random.Generator, n: int, elastic_share: float, lo: int) -> list[Waiting]:
@@ -94,18 +96,36 @@ def single_pool(rng: np.random.Generator) -> list[dict[str, object]]:
 
 def discrete_pool(rng: np.random.Generator) -> list[dict[str, object]]:
     """Non-contiguous allowed sets force the full DP (no greedy fast path)."""
-    w = [Waiting(f"r{i}", (1, 2, 4, 8, 16, 32), 0.0, "reward", float(rng.lognormal(5, 1)),
-                 float(rng.uniform(0.9, 0.99))) for i in range(64)]  # fmt: skip
+    w = [
+        Waiting(
+            f"r{i}",
+            (1, 2, 4, 8, 16, 32),
+            0.0,
+            "reward",
+            float(rng.lognormal(5, 1)),
+            float(rng.uniform(0.9, 0.99)),
+        )
+        for i in range(64)
+    ]
     policy = ElasticPolicy()
-    return [{"pool": "cpu-discrete-sets", "cores": 256, "queue": 64, "candidates": 64,
-             **timed(lambda: policy.arrange(w, 256, 256, [], 0.0))}]  # fmt: skip
+    return [
+        {
+            "pool": "cpu-discrete-sets",
+            "cores": 256,
+            "queue": 64,
+            "candidates": 64,
+            **timed(lambda: policy.arrange(w, 256, 256, [], 0.0)),
+        }
+    ]
 
 
 def gpu_pool(rng: np.random.Generator) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for queue in (10, 40, 500):
-        w = [Waiting(f"g{i}", (1, 2, 4, 8), 0.0, f"svc{i % 9}", float(rng.lognormal(2, 0.5)),
-                     0.85) for i in range(queue)]  # fmt: skip
+        w = [
+            Waiting(f"g{i}", (1, 2, 4, 8), 0.0, f"svc{i % 9}", float(rng.lognormal(2, 0.5)), 0.85)
+            for i in range(queue)
+        ]
         policy = ElasticPolicy()
         rows.append(
             {
@@ -128,8 +148,9 @@ def multi(rng: np.random.Generator) -> list[dict[str, object]]:
                 lo = max(1, int(mins[i, key[i]]))
                 mins[i, key[i]] = lo
                 choices = np.arange(lo, 33, dtype=np.int64)
-                tasks.append(Task(choices, Amdahl(float(rng.lognormal(4, 1)), 0.95)
-                                  .durations(choices)))  # fmt: skip
+                tasks.append(
+                    Task(choices, Amdahl(float(rng.lognormal(4, 1)), 0.95).durations(choices))
+                )
                 elastic.append(True)
             q = Queue(mins, key, tasks, elastic)
             free = np.full(k, 256, dtype=np.int64)
@@ -148,12 +169,15 @@ def multi(rng: np.random.Generator) -> list[dict[str, object]]:
 def main() -> None:
     rng = np.random.default_rng(0)
     rows = single_pool(rng) + discrete_pool(rng) + gpu_pool(rng) + multi(rng)
-    target = [r for r in rows if r["pool"] == "cpu" and r["cores"] == 256
-              and r["candidates"] == 64]  # fmt: skip
-    out = {"machine": f"{platform.processor() or platform.machine()}, python "
-                      f"{platform.python_version()}, numpy {np.__version__}",
-           "reps": REPS, "target": "p99 <= 1000 us at 64 candidates and 256 cores",
-           "at_target": target, "rows": rows}  # fmt: skip
+    target = [r for r in rows if r["pool"] == "cpu" and r["cores"] == 256 and r["candidates"] == 64]
+    out = {
+        "machine": f"{platform.processor() or platform.machine()}, python "
+        f"{platform.python_version()}, numpy {np.__version__}",
+        "reps": REPS,
+        "target": "p99 <= 1000 us at 64 candidates and 256 cores",
+        "at_target": target,
+        "rows": rows,
+    }
     OUT.write_text(json.dumps(out, indent=1))
     for r in rows:
         print(r)

@@ -64,8 +64,11 @@ def floor(batch: int) -> dict[str, float]:
     trace = coding(batch)
     reward = float(np.mean([t.steps[-1].duration(t.steps[-1].choices[-1]) for t in trace]))
     tool = float(np.mean([sum(s.duration(s.choices[-1]) for s in t.steps[:-1]) for t in trace]))
-    return {"reward_act": round(reward, 1), "tool_exec_per_trajectory": round(tool, 1),
-            "act_per_trajectory": round(reward + tool, 1)}  # fmt: skip
+    return {
+        "reward_act": round(reward, 1),
+        "tool_exec_per_trajectory": round(tool, 1),
+        "act_per_trajectory": round(reward + tool, 1),
+    }
 
 
 def run(jobs: list[tuple[int, str, int, str]]) -> list[Point]:
@@ -117,23 +120,42 @@ def main() -> None:
                 fig8_batch.setdefault(str(batch), {})[policy] = act
         if batch == 1280 and policy in ("elastic", *STATIC):
             fig8_cores.setdefault(str(nodes * 256), {})[policy] = act
-    note = ("simulated AI-coding trace (services/scheduler/traces.py ai_coding defaults, seed 0);"
-            " metric: mean total ACT per trajectory in seconds")  # fmt: skip
-    (OUT / "fig9.json").write_text(json.dumps(
-        {"cores": 1280, "nodes": 5, "note": note,
-         "points": {k: fig9[k] for k in sorted(fig9, key=int)},
-         "reward_act": {k: reward[k] for k in sorted(reward, key=int)},
-         "tool_act": {k: tool[k] for k in sorted(tool, key=int)},
-         "busy_fraction": round(busy_fraction(coding(1280)), 3),
-         "floor": {str(b): floor(b) for b in FIG9_BATCHES},
-         "variants_at_1280": {
-             v: {"busy_fraction": round(busy_fraction(coding(1280, v)), 3), "act": acts}
-             for v, acts in variant_act.items()}}, indent=1))  # fmt: skip
-    (OUT / "fig8a.json").write_text(json.dumps(
-        {"cores": 1280, "nodes": 5, "note": note, "baselines": list(STATIC),
-         "points": {k: fig8_batch[k] for k in sorted(fig8_batch, key=int)},
-         "batch_1280_by_cores": {k: fig8_cores[k] for k in sorted(fig8_cores, key=int)}},
-        indent=1))  # fmt: skip
+    note = (
+        "simulated AI-coding trace (services/scheduler/traces.py ai_coding defaults, seed 0);"
+        " metric: mean total ACT per trajectory in seconds"
+    )
+    (OUT / "fig9.json").write_text(
+        json.dumps(
+            {
+                "cores": 1280,
+                "nodes": 5,
+                "note": note,
+                "points": {k: fig9[k] for k in sorted(fig9, key=int)},
+                "reward_act": {k: reward[k] for k in sorted(reward, key=int)},
+                "tool_act": {k: tool[k] for k in sorted(tool, key=int)},
+                "busy_fraction": round(busy_fraction(coding(1280)), 3),
+                "floor": {str(b): floor(b) for b in FIG9_BATCHES},
+                "variants_at_1280": {
+                    v: {"busy_fraction": round(busy_fraction(coding(1280, v)), 3), "act": acts}
+                    for v, acts in variant_act.items()
+                },
+            },
+            indent=1,
+        )
+    )
+    (OUT / "fig8a.json").write_text(
+        json.dumps(
+            {
+                "cores": 1280,
+                "nodes": 5,
+                "note": note,
+                "baselines": list(STATIC),
+                "points": {k: fig8_batch[k] for k in sorted(fig8_batch, key=int)},
+                "batch_1280_by_cores": {k: fig8_cores[k] for k in sorted(fig8_cores, key=int)},
+            },
+            indent=1,
+        )
+    )
     plot("fig9", fig9, "RL batch size")
     plot("fig8a", fig8_batch, "RL batch size")
     json.dump({"fig9": fig9, "fig8a": fig8_batch, "fig8a_cores": fig8_cores}, sys.stdout, indent=1)

@@ -37,8 +37,13 @@ def pct(xs: list[float], p: int) -> float:
 
 async def one(client: Client, i: int, rate: int, trajectories: int, out: list) -> None:
     t0 = time.perf_counter()
-    res = await client.exec(["true"], trajectory_id=f"r{rate}-t{i % trajectories}",
-                            job_id=f"bench-{rate}", memory_mb=16, wait_s=120)  # fmt: skip
+    res = await client.exec(
+        ["true"],
+        trajectory_id=f"r{rate}-t{i % trajectories}",
+        job_id=f"bench-{rate}",
+        memory_mb=16,
+        wait_s=120,
+    )
     total = time.perf_counter() - t0
     exec_s = res.timings.exec_s if res.timings else 0.0
     out.append((total, exec_s, res.ok if res.ok else (res.error.kind.value if res.error else "?")))
@@ -72,11 +77,11 @@ async def offered(client: Client, rate: int, seconds: float, trajectories: int) 
         "completion_ms": {
             "p50": round(1000 * pct(totals, 50), 3),
             "p99": round(1000 * pct(totals, 99), 3),
-        },  # fmt: skip
+        },
         "overhead_ms": {
             "p50": round(1000 * pct(overheads, 50), 3),
             "p99": round(1000 * pct(overheads, 99), 3),
-        },  # fmt: skip
+        },
         "exec_ms_p50": round(1000 * pct([e for _, e, _ in out], 50), 3),
     }
 
@@ -84,8 +89,12 @@ async def offered(client: Client, rate: int, seconds: float, trajectories: int) 
 async def main(args: argparse.Namespace) -> dict:
     rates = [int(r) for r in args.rates.split(",")]
     with tempfile.TemporaryDirectory(prefix="tangram-bench-") as tmp:
-        opts = MeshOptions(state_dir=Path(tmp), fsync=args.fsync, backend="process",
-                           env={"TANGRAM_GATEWAY_MAX_IN_FLIGHT": "100000"})  # fmt: skip
+        opts = MeshOptions(
+            state_dir=Path(tmp),
+            fsync=args.fsync,
+            backend="process",
+            env={"TANGRAM_GATEWAY_MAX_IN_FLIGHT": "100000"},
+        )
         async with Mesh(opts) as mesh, Client.connect(mesh.nats_url) as client:
             await offered(client, 100, 1.0, args.trajectories)  # warm up
             points = []

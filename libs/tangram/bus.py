@@ -132,9 +132,13 @@ class Bus:
 
     @classmethod
     async def connect(
-        cls, url: str, name: str, *, deadline_s: float = 10.0,
+        cls,
+        url: str,
+        name: str,
+        *,
+        deadline_s: float = 10.0,
         on_reconnect: Callable[[], Awaitable[None]] | None = None,
-    ) -> Bus:  # fmt: skip
+    ) -> Bus:
         """Connect within ``deadline_s``; once connected, reconnect forever (a broker restart
         is survivable). ``on_reconnect`` runs after each reconnection."""
         try:

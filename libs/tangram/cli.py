@@ -31,9 +31,13 @@ def _mesh_opts(args: argparse.Namespace) -> Any:
     from tangram.launcher import MeshOptions
 
     return MeshOptions(
-        state_dir=Path(args.state_dir).resolve(), nats_url=args.nats, postgres_dsn=args.postgres,
-        nodes=args.nodes, backend=args.backend, policy=args.policy,
-    )  # fmt: skip
+        state_dir=Path(args.state_dir).resolve(),
+        nats_url=args.nats,
+        postgres_dsn=args.postgres,
+        nodes=args.nodes,
+        backend=args.backend,
+        policy=args.policy,
+    )
 
 
 async def _cpu_backend(args: argparse.Namespace) -> tuple[str, str]:
@@ -63,8 +67,10 @@ async def cmd_up(args: argparse.Namespace) -> int:
         bus = await Bus.connect(mesh.nats_url, "tangram-up")
         st = await mesh.status(bus)
         await bus.close()
-        print(f"scheduler   epoch {st.epoch}, policy {st.policy}, {st.nodes} node(s), "
-              f"{st.free_cores} free cores")  # fmt: skip
+        print(
+            f"scheduler   epoch {st.epoch}, policy {st.policy}, {st.nodes} node(s), "
+            f"{st.free_cores} free cores"
+        )
         print(f"mesh up: nats {mesh.nats_url}  postgres {mesh.postgres_dsn}")
         print(f"wrote {mesh.opts.state_dir / 'mesh.json'}; Ctrl-C stops everything", flush=True)
         await stop.wait()
@@ -131,14 +137,18 @@ async def cmd_exec(args: argparse.Namespace) -> int:
     command: str | list[str] = args.command[0] if len(args.command) == 1 else args.command
     async with Client.connect(_nats_url(args)) as client:
         res = await client.exec(
-            command, trajectory_id=args.trajectory, job_id=args.job, cpus=_cpus(args.cpus),
+            command,
+            trajectory_id=args.trajectory,
+            job_id=args.job,
+            cpus=_cpus(args.cpus),
             timeout_s=args.timeout,
-        )  # fmt: skip
+        )
     sys.stdout.write(res.stdout)
     sys.stderr.write(res.stderr)
     if res.error is not None and res.error.infrastructure:
-        print(f"tangram: {res.status}: {res.error.kind.value}: {res.error.message}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"tangram: {res.status}: {res.error.kind.value}: {res.error.message}", file=sys.stderr
+        )
         return 125
     return res.exit_code if res.exit_code is not None else 1
 
@@ -197,8 +207,9 @@ def _policy(spec: str) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tangram", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="tangram", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--log-level", default=os.environ.get("TANGRAM_LOG_LEVEL", "WARNING"))
     sub = ap.add_subparsers(dest="cmd", required=True)
     _mesh_args(sub.add_parser("up", help="run the whole mesh on this machine"))
@@ -222,8 +233,9 @@ def parser() -> argparse.ArgumentParser:
     dp.add_argument("--trajectories", type=int, default=32)
     dp.add_argument("--turns", type=int, default=4)
     dp.add_argument("--tests", type=int, default=6, help="test cases per trajectory")
-    sub.add_parser("simulate", help="trace-driven simulator (see tangram simulate --help)",
-                   add_help=False)  # fmt: skip
+    sub.add_parser(
+        "simulate", help="trace-driven simulator (see tangram simulate --help)", add_help=False
+    )
     return ap
 
 
@@ -236,8 +248,13 @@ def main(argv: list[str] | None = None) -> int:
         args.command = args.command[1:]
     runtime.setup_logging(args.log_level.upper())
     telemetry.setup(f"tangram-{args.cmd}", os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
-    commands = {"up": cmd_up, "service": cmd_service, "exec": cmd_exec, "demo": cmd_demo,
-                "sandbox-image": cmd_sandbox_image}  # fmt: skip
+    commands = {
+        "up": cmd_up,
+        "service": cmd_service,
+        "exec": cmd_exec,
+        "demo": cmd_demo,
+        "sandbox-image": cmd_sandbox_image,
+    }
     try:
         return uvloop.run(commands[args.cmd](args))
     except TangramError as exc:

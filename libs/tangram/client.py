@@ -218,9 +218,13 @@ class Client:
         return fut
 
     async def _await(
-        self, action_id: str, fut: asyncio.Future[ActionResult], wait_s: float | None,
-        *, ask_first: bool,
-    ) -> ActionResult:  # fmt: skip
+        self,
+        action_id: str,
+        fut: asyncio.Future[ActionResult],
+        wait_s: float | None,
+        *,
+        ask_first: bool,
+    ) -> ActionResult:
         """Wait for the push of a result; ask the gateway now and then.
 
         For our own submissions the push is expected, so the gateway is asked rarely (and on

@@ -217,9 +217,12 @@ class GroupCommit(Generic[T, R]):
         if self._retry is None:
             return await self._flush(items)
         try:
-            return await retrying(partial(self._flush, items), backoff=self._retry,
-                                  what=f"{self._name}: write of {len(items)} items",
-                                  on_retry=self._count_retry)  # fmt: skip
+            return await retrying(
+                partial(self._flush, items),
+                backoff=self._retry,
+                what=f"{self._name}: write of {len(items)} items",
+                on_retry=self._count_retry,
+            )
         except Exception as exc:  # not transient, and it kept failing
             raise WriterFailed(
                 f"{self._name}: write failed {self._retry.permanent_tries} times: {exc}"

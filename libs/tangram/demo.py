@@ -84,8 +84,9 @@ def heredoc(path: str, body: str) -> str:
     return f"cat > {path} <<'TANGRAM_EOF'\n{body}\nTANGRAM_EOF"
 
 
-async def trajectory(client: Client, job: str, t: int, opts: DemoOptions, done: Progress,
-                     task: TaskID) -> list[tuple[str, ActionResult, float]]:  # fmt: skip
+async def trajectory(
+    client: Client, job: str, t: int, opts: DemoOptions, done: Progress, task: TaskID
+) -> list[tuple[str, ActionResult, float]]:
     rng = random.Random(opts.seed * 1000 + t)
     tid = f"{job}-traj{t}"
     out: list[tuple[str, ActionResult, float]] = []
@@ -99,8 +100,9 @@ async def trajectory(client: Client, job: str, t: int, opts: DemoOptions, done: 
             ("reward", "python3 run_tests.py {dop}", (1, 4)),
         ):
             t0 = time.monotonic()
-            res = await client.exec(cmd, trajectory_id=tid, job_id=job, cpus=cpus,
-                                    timeout_s=120, profile=f"demo.{kind}")  # fmt: skip
+            res = await client.exec(
+                cmd, trajectory_id=tid, job_id=job, cpus=cpus, timeout_s=120, profile=f"demo.{kind}"
+            )
             out.append((kind, res, time.monotonic() - t0))
             done.advance(task)
     await client.close_env(tid)
@@ -123,19 +125,27 @@ def report(console: Console, rows: list[tuple[str, ActionResult, float]], wall: 
             "completion": [act for _, act in picked],
             "queue": [r.timings.queue_s for r, _ in picked if r.timings],
             "execution": [r.timings.exec_s for r, _ in picked if r.timings],
-            "overhead": [max(0.0, act - (r.timings.queue_s + r.timings.exec_s))
-                         for r, act in picked if r.timings],
-        }  # fmt: skip
+            "overhead": [
+                max(0.0, act - (r.timings.queue_s + r.timings.exec_s))
+                for r, act in picked
+                if r.timings
+            ],
+        }
         for i, (name, xs) in enumerate(parts.items()):
             ms = [1000 * x for x in xs]
-            table.add_row(kind if i == 0 else "", str(len(ms)) if i == 0 else "", name,
-                          *(f"{pct(ms, p):.1f}" for p in (50, 95, 99)))  # fmt: skip
+            table.add_row(
+                kind if i == 0 else "",
+                str(len(ms)) if i == 0 else "",
+                name,
+                *(f"{pct(ms, p):.1f}" for p in (50, 95, 99)),
+            )
         table.add_section()
     console.print(table)
     ok = sum(r.ok for _, r, _ in rows)
     infra = sum(r.infrastructure_failure for _, r, _ in rows)
-    failed_tests = sum(1 for k, r, _ in rows if k == "reward" and not r.ok and not
-                       r.infrastructure_failure)  # fmt: skip
+    failed_tests = sum(
+        1 for k, r, _ in rows if k == "reward" and not r.ok and not r.infrastructure_failure
+    )
     console.print(
         f"{len(rows)} actions in {wall:.1f}s ({len(rows) / wall:.0f}/s): {ok} succeeded, "
         f"{failed_tests} reward runs with failing tests (the policy's fault), "
@@ -148,19 +158,27 @@ async def run_demo(mesh_opts: MeshOptions, opts: DemoOptions) -> int:
     console = Console()
     console.print(f"starting an embedded mesh in {mesh_opts.state_dir} ...")
     async with Mesh(mesh_opts) as mesh:
-        console.print(f"mesh up: nats {mesh.nats_url}; {opts.trajectories} trajectories x "
-                      f"{opts.turns} turns (a write action and a test run each)")  # fmt: skip
+        console.print(
+            f"mesh up: nats {mesh.nats_url}; {opts.trajectories} trajectories x "
+            f"{opts.turns} turns (a write action and a test run each)"
+        )
         job = f"demo-{int(time.time())}"
         async with Client.connect(mesh.nats_url) as client:
-            columns = (TextColumn("rollout"), BarColumn(), MofNCompleteColumn(),
-                       TimeElapsedColumn())  # fmt: skip
+            columns = (
+                TextColumn("rollout"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+            )
             with Progress(*columns, console=console) as progress:
                 task = progress.add_task("actions", total=opts.trajectories * opts.turns * 2)
                 t0 = time.monotonic()
-                per = await asyncio.gather(*(
-                    trajectory(client, job, t, opts, progress, task)
-                    for t in range(opts.trajectories)
-                ))  # fmt: skip
+                per = await asyncio.gather(
+                    *(
+                        trajectory(client, job, t, opts, progress, task)
+                        for t in range(opts.trajectories)
+                    )
+                )
                 wall = time.monotonic() - t0
         report(console, [row for rows in per for row in rows], wall)
         infra = sum(r.infrastructure_failure for rows in per for _, r, _ in rows)

@@ -88,9 +88,17 @@ class EmbeddedNats:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = self.data_dir / "nats.log"
         cmd = [
-            self.binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
-            "-sd", str(self.data_dir / "jetstream"), "-l", str(log),
-        ]  # fmt: skip
+            self.binary(),
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-js",
+            "-sd",
+            str(self.data_dir / "jetstream"),
+            "-l",
+            str(log),
+        ]
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent
         )
@@ -157,15 +165,30 @@ class EmbeddedPostgres:
             self._initdb(pgdata, user)
         log = self.data_dir / "postgres.log"
         cmd = [
-            str(self.bin_dir() / "postgres"), "-D", str(pgdata), "-p", str(self.port),
-            "-h", "127.0.0.1", "-k", str(self.data_dir),
-            "-c", f"fsync={'on' if self.fsync else 'off'}", "-c", "max_connections=200",
-        ]  # fmt: skip
+            str(self.bin_dir() / "postgres"),
+            "-D",
+            str(pgdata),
+            "-p",
+            str(self.port),
+            "-h",
+            "127.0.0.1",
+            "-k",
+            str(self.data_dir),
+            "-c",
+            f"fsync={'on' if self.fsync else 'off'}",
+            "-c",
+            "max_connections=200",
+        ]
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, user=user,
-                start_new_session=True, preexec_fn=die_with_parent,
-            )  # fmt: skip
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                user=user,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
         wait_port(self.port, timeout_s, self.proc, log)
         self._wait_ready(timeout_s)
         return self
@@ -175,10 +198,20 @@ class EmbeddedPostgres:
             pgdata.mkdir(mode=0o700, exist_ok=True)
             shutil.chown(pgdata, user, user)
         subprocess.run(
-            [str(self.bin_dir() / "initdb"), "-D", str(pgdata), "--auth=trust", "-U", "postgres",
-             "--encoding=utf8", "--no-sync"],
-            check=True, capture_output=True, user=user,
-        )  # fmt: skip
+            [
+                str(self.bin_dir() / "initdb"),
+                "-D",
+                str(pgdata),
+                "--auth=trust",
+                "-U",
+                "postgres",
+                "--encoding=utf8",
+                "--no-sync",
+            ],
+            check=True,
+            capture_output=True,
+            user=user,
+        )
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

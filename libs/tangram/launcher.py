@@ -99,11 +99,16 @@ class Mesh:
 
     def service_env(self, name: str, index: int = 0) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({
-            "TANGRAM_NATS_URL": self.nats_url, "TANGRAM_POSTGRES_DSN": self.postgres_dsn,
-            "TANGRAM_SCHEDULER_POLICY": self.opts.policy, "TANGRAM_CPU_BACKEND": self.opts.backend,
-            "TANGRAM_CPU_STATE_DIR": str(self.opts.state_dir), "PYTHONUNBUFFERED": "1",
-        })  # fmt: skip
+        env.update(
+            {
+                "TANGRAM_NATS_URL": self.nats_url,
+                "TANGRAM_POSTGRES_DSN": self.postgres_dsn,
+                "TANGRAM_SCHEDULER_POLICY": self.opts.policy,
+                "TANGRAM_CPU_BACKEND": self.opts.backend,
+                "TANGRAM_CPU_STATE_DIR": str(self.opts.state_dir),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         if name == "cpu_manager":
             env["TANGRAM_CPU_NODE_ID"] = f"node{index}"
         env.update(self.opts.env)
@@ -115,10 +120,15 @@ class Mesh:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:  # noqa: ASYNC230 (a local file, opened once)
             self.procs[key] = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", f"services.{name}", env=self.service_env(name, index),
-                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
+                sys.executable,
+                "-m",
+                f"services.{name}",
+                env=self.service_env(name, index),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
                 preexec_fn=die_with_parent,
-            )  # fmt: skip
+            )
 
     async def start(self, timeout_s: float = 60.0) -> None:
         await self.start_servers()
@@ -155,8 +165,9 @@ class Mesh:
         from tangram.errors import NotFound
 
         try:
-            await bus.request(subjects.GATEWAY, GetResult(action_id="readiness-probe"),
-                              GatewayReply, timeout=1.0)  # fmt: skip
+            await bus.request(
+                subjects.GATEWAY, GetResult(action_id="readiness-probe"), GatewayReply, timeout=1.0
+            )
         except NotFound:
             return True
         except TangramError:

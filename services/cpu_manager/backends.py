@@ -37,12 +37,20 @@ class Choice:
 def docker_config(cfg: CpuManagerConfig, incarnation: str) -> DockerConfig:
     """The Docker backend's config from the node agent's."""
     return DockerConfig(
-        root=str(cfg.env_root()), docker_host=cfg.docker_host, node_id=cfg.node_id,
-        incarnation=incarnation, default_image=cfg.image, exec_mode=cfg.exec_mode,
-        cpuset_via=cfg.cpuset_via, pids_limit=cfg.pids_limit, network_mode=cfg.network_mode,
-        warm_pool=cfg.warm_pool, pool_images=split_list(cfg.pool_images),
-        max_envs=cfg.max_envs, mounts=split_list(cfg.mounts),
-    )  # fmt: skip
+        root=str(cfg.env_root()),
+        docker_host=cfg.docker_host,
+        node_id=cfg.node_id,
+        incarnation=incarnation,
+        default_image=cfg.image,
+        exec_mode=cfg.exec_mode,
+        cpuset_via=cfg.cpuset_via,
+        pids_limit=cfg.pids_limit,
+        network_mode=cfg.network_mode,
+        warm_pool=cfg.warm_pool,
+        pool_images=split_list(cfg.pool_images),
+        max_envs=cfg.max_envs,
+        mounts=split_list(cfg.mounts),
+    )
 
 
 def _fallback(cfg: CpuManagerConfig, why: str) -> Choice:
@@ -54,8 +62,10 @@ def _fallback(cfg: CpuManagerConfig, why: str) -> Choice:
 def _missing_image(cfg: CpuManagerConfig) -> str:
     if cfg.image == sandbox_image.TAG:
         return f"image {cfg.image} missing; `tangram sandbox-image` builds it"
-    return (f"image {cfg.image} missing; load it into the engine, or unset TANGRAM_CPU_IMAGE "
-            f"to use {sandbox_image.TAG} (`tangram sandbox-image` builds that)")  # fmt: skip
+    return (
+        f"image {cfg.image} missing; load it into the engine, or unset TANGRAM_CPU_IMAGE "
+        f"to use {sandbox_image.TAG} (`tangram sandbox-image` builds that)"
+    )
 
 
 async def _ensure_image(cfg: CpuManagerConfig, build: bool) -> tuple[bool, str]:

@@ -96,9 +96,9 @@ class ContainerCgroup:
         return (self.cpuset_dir / "cpuset.cpus").read_text().strip()
 
 
-def locate(pid: int, root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc")) -> (
-    ContainerCgroup | None
-):  # fmt: skip
+def locate(
+    pid: int, root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc")
+) -> ContainerCgroup | None:
     """The cgroup of the process ``pid`` (a container's init), or None if not safely writable."""
     try:
         paths = parse_proc_cgroup((proc / str(pid) / "cgroup").read_text())

@@ -126,8 +126,12 @@ class DockerBackend:
         version = await self.call(self.engine.connect)
         await self.call(self.engine.install_executor, self.root)
         stale = await self._sweep(mine=False)
-        log.info("docker backend: engine %s, %d leftovers removed, exec via %s",
-                 version, stale, self.cfg.exec_mode)  # fmt: skip
+        log.info(
+            "docker backend: engine %s, %d leftovers removed, exec via %s",
+            version,
+            stale,
+            self.cfg.exec_mode,
+        )
         self._state = State.RUNNING
         self.pool.start()
 

@@ -334,9 +334,11 @@ class Engine:
         """
         try:
             stream = self.api.events(
-                since=f"{since:.9f}", until=f"{time.time():.9f}", decode=True,
+                since=f"{since:.9f}",
+                until=f"{time.time():.9f}",
+                decode=True,
                 filters={"container": container_id, "event": "oom"},
-            )  # fmt: skip
+            )
             try:
                 if any(True for _ in stream):
                     return True

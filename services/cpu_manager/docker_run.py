@@ -53,11 +53,16 @@ def outcome_from_reply(reply: Reply, run: ActionRun) -> ExecOutcome:
     code = h["exit_code"] if h["exit_code"] is not None else -int(h["signal"] or 0)
     failure, detail = _ending(run, bool(h["timed_out"]), bool(h["killed"]))
     return ExecOutcome(
-        exit_code=code, stdout=reply.stdout, stderr=reply.stderr,
-        stdout_truncated=bool(h["stdout_truncated"]), stderr_truncated=bool(h["stderr_truncated"]),
-        started_at=float(h["started_at"]), finished_at=float(h["finished_at"]),
-        failure=failure, detail=detail,
-    )  # fmt: skip
+        exit_code=code,
+        stdout=reply.stdout,
+        stderr=reply.stderr,
+        stdout_truncated=bool(h["stdout_truncated"]),
+        stderr_truncated=bool(h["stderr_truncated"]),
+        started_at=float(h["started_at"]),
+        finished_at=float(h["finished_at"]),
+        failure=failure,
+        detail=detail,
+    )
 
 
 async def _broken(

@@ -31,8 +31,9 @@ def error_of(outcome: ExecOutcome, kill_reason: ErrorKind | None) -> ActionError
     if outcome.failure is not None:
         return ActionError(kind=_KINDS[outcome.failure], message=outcome.detail)
     if outcome.exit_code != 0:
-        return ActionError(kind=ErrorKind.COMMAND_FAILED,
-                           message=f"exited with status {outcome.exit_code}")  # fmt: skip
+        return ActionError(
+            kind=ErrorKind.COMMAND_FAILED, message=f"exited with status {outcome.exit_code}"
+        )
     return None
 
 

@@ -195,9 +195,14 @@ class ProcessBackend:
         err_r, err_w = os.pipe()
         try:
             proc = subprocess.Popen(
-                req.argv, cwd=workdir, env=self._environ(req, workdir), stdin=subprocess.DEVNULL,
-                stdout=out_w, stderr=err_w, start_new_session=True,
-            )  # fmt: skip
+                req.argv,
+                cwd=workdir,
+                env=self._environ(req, workdir),
+                stdin=subprocess.DEVNULL,
+                stdout=out_w,
+                stderr=err_w,
+                start_new_session=True,
+            )
         except BaseException:
             for fd in (out_r, err_r):
                 os.close(fd)
@@ -209,15 +214,24 @@ class ProcessBackend:
 
     def _environ(self, req: ExecRequest, workdir: Path) -> dict[str, str]:
         """The action's own variables over a minimal base; Tangram's tags cannot be overridden."""
-        env = {"PATH": self.cfg.path, "HOME": str(workdir), "TMPDIR": str(workdir),
-               "LANG": "C.UTF-8"}  # fmt: skip
+        env = {
+            "PATH": self.cfg.path,
+            "HOME": str(workdir),
+            "TMPDIR": str(workdir),
+            "LANG": "C.UTF-8",
+        }
         env.update(req.env)
-        env.update({
-            "TANGRAM_ACTION_ID": req.action_id, "TANGRAM_TRAJECTORY_ID": req.trajectory_id,
-            "TANGRAM_NODE_ID": self.cfg.node_id, "TANGRAM_CORES": ",".join(map(str, req.cores)),
-            "TANGRAM_DOP": str(len(req.cores)), AGENT_TAG: self.cfg.incarnation,
-            ROOT_TAG: str(self.cfg.root),
-        })  # fmt: skip
+        env.update(
+            {
+                "TANGRAM_ACTION_ID": req.action_id,
+                "TANGRAM_TRAJECTORY_ID": req.trajectory_id,
+                "TANGRAM_NODE_ID": self.cfg.node_id,
+                "TANGRAM_CORES": ",".join(map(str, req.cores)),
+                "TANGRAM_DOP": str(len(req.cores)),
+                AGENT_TAG: self.cfg.incarnation,
+                ROOT_TAG: str(self.cfg.root),
+            }
+        )
         return env
 
     async def _supervise(self, req: ExecRequest, run: _Run, started: float) -> ExecOutcome:
@@ -264,8 +278,9 @@ def _killpg(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def _spawn_failure(exc: OSError, argv: tuple[str, ...], workdir: Path,
-                   started: float) -> ExecOutcome:  # fmt: skip
+def _spawn_failure(
+    exc: OSError, argv: tuple[str, ...], workdir: Path, started: float
+) -> ExecOutcome:
     """Why a spawn failed: the action's program (as a shell says it), its vanished directory,
     or the node itself."""
     failed = os.fsdecode(exc.filename) if exc.filename is not None else None
@@ -275,8 +290,17 @@ def _spawn_failure(exc: OSError, argv: tuple[str, ...], workdir: Path,
         own = _exec_failure(exc, argv[0], started)
         if own is not None:
             return own
-    return ExecOutcome(None, b"", str(exc).encode(), False, False, started, time.time(),
-                       EnvFailure.INTERNAL, f"could not start: {exc}")  # fmt: skip
+    return ExecOutcome(
+        None,
+        b"",
+        str(exc).encode(),
+        False,
+        False,
+        started,
+        time.time(),
+        EnvFailure.INTERNAL,
+        f"could not start: {exc}",
+    )
 
 
 def _exec_failure(exc: OSError, program: str, started: float) -> ExecOutcome | None:
@@ -297,15 +321,28 @@ def _lost(detail: str) -> ExecOutcome:
     return ExecOutcome(None, b"", b"", False, False, now, now, EnvFailure.ENVIRONMENT_LOST, detail)
 
 
-def _outcome(run: _Run, code: int, out: CappedSink, err: CappedSink, started: float,
-             finished: float, timeout_s: float) -> ExecOutcome:  # fmt: skip
+def _outcome(
+    run: _Run,
+    code: int,
+    out: CappedSink,
+    err: CappedSink,
+    started: float,
+    finished: float,
+    timeout_s: float,
+) -> ExecOutcome:
     detail = ""
     if run.killed is EnvFailure.EXEC_TIMEOUT:
         detail = f"killed after the {timeout_s:g}s timeout"
     elif run.killed is not None:
         detail = "killed on request"
     return ExecOutcome(
-        exit_code=code, stdout=out.value(), stderr=err.value(), stdout_truncated=out.truncated,
-        stderr_truncated=err.truncated, started_at=started, finished_at=finished,
-        failure=run.killed, detail=detail,
-    )  # fmt: skip
+        exit_code=code,
+        stdout=out.value(),
+        stderr=err.value(),
+        stdout_truncated=out.truncated,
+        stderr_truncated=err.truncated,
+        started_at=started,
+        finished_at=finished,
+        failure=run.killed,
+        detail=detail,
+    )

@@ -22,8 +22,16 @@ from services.cpu_manager.docker_engine import (
 )
 
 TAG = "tangram-sandbox:latest"
-MOUNT_POINTS = (*HOST_SYSTEM_DIRS, "/tmp", "/work", "/proc", "/sys", "/dev",
-                str(Path(EXECUTOR_PATH).parent), CTL_DIR)  # fmt: skip
+MOUNT_POINTS = (
+    *HOST_SYSTEM_DIRS,
+    "/tmp",
+    "/work",
+    "/proc",
+    "/sys",
+    "/dev",
+    str(Path(EXECUTOR_PATH).parent),
+    CTL_DIR,
+)
 DESCRIPTION = "an empty rootfs; the host's " + ",".join(HOST_SYSTEM_DIRS) + " bound read-only"
 
 

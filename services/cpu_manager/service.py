@@ -93,14 +93,17 @@ class CpuManager(Service):
         if not self.backend.isolates:
             log.warning(
                 "node %s: the %s backend does NOT isolate trajectories (same user, "
-                "same filesystem, same network)", self.node_id, self.backend.name,
-            )  # fmt: skip
+                "same filesystem, same network)",
+                self.node_id,
+                self.backend.name,
+            )
         self.inventory = inventory.read(
             self.backend.name, self.backend.isolates, self.cfg.cores, self.cfg.memory_mb
         )
         self.bus = await Bus.connect(self.mesh.nats_url, f"cpu_manager.{self.node_id}")
-        self.bus.serve(subjects.node(self.node_id), NodeCommand, self.on_command,
-                       max_in_flight=100_000)  # fmt: skip
+        self.bus.serve(
+            subjects.node(self.node_id), NodeCommand, self.on_command, max_in_flight=100_000
+        )
         self.bus.serve(subjects.NODES_BROADCAST, NodeCommand, self.on_command, max_in_flight=16)
         await self.bus.start()
         await self.report()
@@ -127,14 +130,24 @@ class CpuManager(Service):
         if self.bus is not None:
             await self.bus.close()
 
-    async def _leave(self, *, draining: bool, started: tuple[str, ...] | None = None,
-                     envs: tuple[str, ...] | None = None) -> None:  # fmt: skip
+    async def _leave(
+        self,
+        *,
+        draining: bool,
+        started: tuple[str, ...] | None = None,
+        envs: tuple[str, ...] | None = None,
+    ) -> None:
         """Tell the scheduler we are draining, or gone with what we started and still hold
         (best effort: it may be down)."""
         if self.bus is None:
             return
-        msg = NodeLeaving(node_id=self.node_id, incarnation=self.incarnation, draining=draining,
-                          started=started, envs=envs)  # fmt: skip
+        msg = NodeLeaving(
+            node_id=self.node_id,
+            incarnation=self.incarnation,
+            draining=draining,
+            started=started,
+            envs=envs,
+        )
         with contextlib.suppress(TangramError):
             await self.bus.request(subjects.SCHED_NODES, msg, Ack, timeout=2.0)
 
@@ -186,8 +199,12 @@ class CpuManager(Service):
         active = self.active.pop(aid)
         self.cores_in_use -= set(active.cores)
         result = to_result(action, outcome, active.kill_reason, self.node_id, d.cores)
-        completion = Completion(node_id=self.node_id, incarnation=self.incarnation,
-                                attempt=action.attempt, result=result)  # fmt: skip
+        completion = Completion(
+            node_id=self.node_id,
+            incarnation=self.incarnation,
+            attempt=action.attempt,
+            result=result,
+        )
         self.outbox[aid] = completion
         await self._send(completion)
 
@@ -208,11 +225,17 @@ class CpuManager(Service):
         cmd = spec.action.command
         argv = ("sh", "-c", cmd) if isinstance(cmd, str) else tuple(cmd)
         return ExecRequest(
-            action_id=spec.action_id, trajectory_id=spec.trajectory_id,
-            argv=substitute_dop(argv, len(d.cores)), cores=d.cores, timeout_s=spec.timeout_s,
-            output_cap_bytes=spec.action.output_cap_bytes, env=dict(spec.action.env),
-            memory_mb=spec.memory_mb, image=spec.image, network=spec.network,
-        )  # fmt: skip
+            action_id=spec.action_id,
+            trajectory_id=spec.trajectory_id,
+            argv=substitute_dop(argv, len(d.cores)),
+            cores=d.cores,
+            timeout_s=spec.timeout_s,
+            output_cap_bytes=spec.action.output_cap_bytes,
+            env=dict(spec.action.env),
+            memory_mb=spec.memory_mb,
+            image=spec.image,
+            network=spec.network,
+        )
 
     # ------------------------------------------------------------------ reporting
 
@@ -237,20 +260,25 @@ class CpuManager(Service):
         running = [
             RunningAction(
                 action_id=aid, attempt=a.attempt, trajectory_id=a.trajectory_id, cores=a.cores
-            )  # fmt: skip
+            )
             for aid, a in self.active.items()
         ]
         running += [
             RunningAction(
                 action_id=aid, attempt=c.attempt, trajectory_id=c.result.trajectory_id, cores=()
-            )  # fmt: skip
+            )
             for aid, c in self.outbox.items()
         ]
         self._seq += 1
         return NodeReport(
-            node_id=self.node_id, incarnation=self.incarnation, inventory=self.inventory,
-            running=tuple(running), envs=tuple(self.backend.envs()), seq=self._seq, full=True,
-        )  # fmt: skip
+            node_id=self.node_id,
+            incarnation=self.incarnation,
+            inventory=self.inventory,
+            running=tuple(running),
+            envs=tuple(self.backend.envs()),
+            seq=self._seq,
+            full=True,
+        )
 
     async def report(self) -> None:
         assert self.bus is not None
@@ -288,8 +316,9 @@ class CpuManager(Service):
             for tid, last in self.backend.envs().items():
                 if tid not in busy and now - last > self.cfg.env_ttl_s:
                     await self.backend.drop_env(tid)
-                    msg = EnvExpired(node_id=self.node_id, incarnation=self.incarnation,
-                                     trajectory_id=tid)  # fmt: skip
+                    msg = EnvExpired(
+                        node_id=self.node_id, incarnation=self.incarnation, trajectory_id=tid
+                    )
                     await self.bus.publish(subjects.SCHED_NODES, msg)
 
 

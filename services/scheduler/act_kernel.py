@@ -240,8 +240,21 @@ def warm() -> None:
     """Compile (or load from the cache) every kernel with the types decisions call them with."""
     one_f, one_i = np.ones(1), np.ones(1, dtype=np.int64)
     grid_f, grid_i = np.ones((2, 2)), np.ones((2, 2), dtype=np.int64)
-    best_level(0.0, 1, one_f, one_i, one_i, one_f, one_i, one_f, grid_i, grid_f, grid_f,
-               np.ones(2, dtype=np.bool_), 0)  # fmt: skip
+    best_level(
+        0.0,
+        1,
+        one_f,
+        one_i,
+        one_i,
+        one_f,
+        one_i,
+        one_f,
+        grid_i,
+        grid_f,
+        grid_f,
+        np.ones(2, dtype=np.bool_),
+        0,
+    )
     take_best(one_i, one_f, 1, 1)
     chunk_step(one_f, grid_i, one_i - 1, one_i, one_f)
     backtrack(0, grid_i, grid_i, 1)

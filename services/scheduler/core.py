@@ -131,8 +131,14 @@ class SchedulerCore:
         self.queue[action.spec.action_id] = action
         return []
 
-    def restore_running(self, action: UnifiedAction, node_id: str, incarnation: str,
-                        cores: tuple[int, ...], now: float) -> None:  # fmt: skip
+    def restore_running(
+        self,
+        action: UnifiedAction,
+        node_id: str,
+        incarnation: str,
+        cores: tuple[int, ...],
+        now: float,
+    ) -> None:
         """An action Postgres says is running; it stays unconfirmed until its node reports."""
         self.running[action.spec.action_id] = Running(
             action, node_id, incarnation, cores, now, restored=True
@@ -196,9 +202,13 @@ class SchedulerCore:
 
     def _died(self, run: Running, now: float, why: str) -> ActionResult:
         return failed(
-            run.action, ErrorKind.NODE_DIED, f"node {run.node_id} died: {why}", now=now,
-            allocation=Allocation(node_id=run.node_id, cores=run.cores), started_at=run.started_at,
-        )  # fmt: skip
+            run.action,
+            ErrorKind.NODE_DIED,
+            f"node {run.node_id} died: {why}",
+            now=now,
+            allocation=Allocation(node_id=run.node_id, cores=run.cores),
+            started_at=run.started_at,
+        )
 
     def _reconcile(self, node: Node, report: NodeReport, now: float) -> list[Effect]:
         """Match what the node reports running (or holding unacked) with our books."""
@@ -220,8 +230,9 @@ class SchedulerCore:
                 effects += self._adopt(node, aid, r.cores, r.attempt, now)
         return effects
 
-    def _adopt(self, node: Node, aid: str, cores: tuple[int, ...], attempt: int,
-               now: float) -> list[Effect]:  # fmt: skip
+    def _adopt(
+        self, node: Node, aid: str, cores: tuple[int, ...], attempt: int, now: float
+    ) -> list[Effect]:
         """A node runs an action we only knew as queued (its dispatch record was lost)."""
         action = self.queue.pop(aid, None)
         self._views.pop(aid, None)
@@ -305,13 +316,21 @@ class SchedulerCore:
             self.gone_envs[env.trajectory_id] = reason
         else:
             self.gone_envs.pop(env.trajectory_id, None)
-        return EnvChanged(env.trajectory_id, env.job_id, env.node_id, env.incarnation,
-                          env.memory_mb, status, reason)  # fmt: skip
+        return EnvChanged(
+            env.trajectory_id,
+            env.job_id,
+            env.node_id,
+            env.incarnation,
+            env.memory_mb,
+            status,
+            reason,
+        )
 
     # ------------------------------------------------------------------ completions
 
-    def complete(self, node_id: str, incarnation: str, attempt: int, result: ActionResult,
-                 now: float) -> list[Effect]:  # fmt: skip
+    def complete(
+        self, node_id: str, incarnation: str, attempt: int, result: ActionResult, now: float
+    ) -> list[Effect]:
         """A node reports an attempt's end; stale or duplicate reports change nothing."""
         run = self.running.get(result.action_id)
         if run is None or run.node_id != node_id or run.action.attempt != attempt:
@@ -372,9 +391,15 @@ class SchedulerCore:
             limit = act.spec.queue_timeout_s
             if limit is not None and now - act.submitted_at > limit:
                 del self.queue[aid]
-                effects += self._finish(act, failed(
-                    act, ErrorKind.QUEUE_TIMEOUT, f"waited more than {limit}s in the queue", now=now
-                ))  # fmt: skip
+                effects += self._finish(
+                    act,
+                    failed(
+                        act,
+                        ErrorKind.QUEUE_TIMEOUT,
+                        f"waited more than {limit}s in the queue",
+                        now=now,
+                    ),
+                )
         if now >= self.not_before + self.cfg.node_timeout_s:
             effects += self._fail_orphans(now)
         return effects
@@ -386,10 +411,16 @@ class SchedulerCore:
             node = self.nodes.get(run.node_id)
             if run.restored and (node is None or node.incarnation != run.incarnation):
                 del self.running[aid]
-                effects += self._finish(run.action, failed(
-                    run.action, ErrorKind.NODE_DIED, f"node {run.node_id} did not come back",
-                    now=now, started_at=run.started_at,
-                ))  # fmt: skip
+                effects += self._finish(
+                    run.action,
+                    failed(
+                        run.action,
+                        ErrorKind.NODE_DIED,
+                        f"node {run.node_id} did not come back",
+                        now=now,
+                        started_at=run.started_at,
+                    ),
+                )
         return effects
 
     # ------------------------------------------------------------------ decisions
@@ -405,8 +436,9 @@ class SchedulerCore:
             node_id = self._node_of(tid, p)
             if node_id is None and tid in self.gone_envs:
                 del self.queue[act.spec.action_id]
-                effects += self._finish(act, failed(
-                    act, ErrorKind.ENVIRONMENT_LOST, self.gone_envs[tid], now=now))  # fmt: skip
+                effects += self._finish(
+                    act, failed(act, ErrorKind.ENVIRONMENT_LOST, self.gone_envs[tid], now=now)
+                )
                 continue
             if node_id is None:
                 if p.unplaced_blocked:
@@ -490,11 +522,15 @@ class SchedulerCore:
         if act.demands[0].min <= most_cores and act.env_memory_mb <= most_mem:
             return []
         del self.queue[act.spec.action_id]
-        return self._finish(act, failed(
-            act, ErrorKind.INVALID_REQUEST,
-            f"no node can hold it: the largest has {most_cores} cores and {most_mem} MiB",
-            now=now,
-        ))  # fmt: skip
+        return self._finish(
+            act,
+            failed(
+                act,
+                ErrorKind.INVALID_REQUEST,
+                f"no node can hold it: the largest has {most_cores} cores and {most_mem} MiB",
+                now=now,
+            ),
+        )
 
     def _admit(self, node: Node, acts: list[UnifiedAction], now: float) -> list[Effect]:
         waiting = [self._view(a) for a in acts]
@@ -551,8 +587,9 @@ class SchedulerCore:
             env = Env(tid, act.spec.job_id, node.node_id, node.incarnation, act.env_memory_mb)
             self.envs[tid] = env
             node.reserved_mb += env.memory_mb
-            effects.append(EnvChanged(tid, env.job_id, node.node_id, node.incarnation,
-                                      env.memory_mb, "active"))  # fmt: skip
+            effects.append(
+                EnvChanged(tid, env.job_id, node.node_id, node.incarnation, env.memory_mb, "active")
+            )
         cores = pick_cores(node.free, node.numa, units)
         node.free -= set(cores)
         del self.queue[act.spec.action_id]

@@ -206,8 +206,10 @@ class DpTable:
         if t == 0:
             return np.zeros(0, dtype=np.int64)
         if self._stacked is None:  # the layers as two matrices, once the eviction asks
-            self._stacked = (np.stack([c for c, _ in self._layers]),
-                             np.stack([p for _, p in self._layers]))  # fmt: skip
+            self._stacked = (
+                np.stack([c for c, _ in self._layers]),
+                np.stack([p for _, p in self._layers]),
+            )
         out: IntArray = act_kernel.backtrack(self._best[t], *self._stacked, t)
         return out
 
@@ -287,8 +289,9 @@ class GreedyTable:
         hit = self._memo.get(t)
         if hit is None:
             budget = max(0, min(self._slack[t], self._positive[t]))
-            hit = self._memo[t] = act_kernel.take_best(self._order_rows, self._order_gains, t,
-                                                       budget)  # fmt: skip
+            hit = self._memo[t] = act_kernel.take_best(
+                self._order_rows, self._order_gains, t, budget
+            )
         return hit
 
 

@@ -185,10 +185,19 @@ class Objective:
         units_at, durs_at = self._table.arrangement(t)
         head = self._rows[t]
         tail, self._hint = act_kernel.best_level(
-            self._now, self._free, self._rel_ends, self._rel_units, units_at, durs_at,
-            *head.own(self._depth), self._units, self._durs, self._tails, self._bounded,
+            self._now,
+            self._free,
+            self._rel_ends,
+            self._rel_units,
+            units_at,
+            durs_at,
+            *head.own(self._depth),
+            self._units,
+            self._durs,
+            self._tails,
+            self._bounded,
             self._hint,
-        )  # fmt: skip
+        )
         return t * self._now + exact + tail
 
 

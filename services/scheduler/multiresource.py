@@ -46,9 +46,13 @@ def candidates(mins: IntArray, free: IntArray) -> int:
 
 
 def schedule(
-    q: Queue, free: IntArray, now: float, releases: Sequence[Releases], depth: int = 2,
+    q: Queue,
+    free: IntArray,
+    now: float,
+    releases: Sequence[Releases],
+    depth: int = 2,
     horizon: int = 64,
-) -> Decision:  # fmt: skip
+) -> Decision:
     """Algorithm 1: candidates by FCFS at minimum, then elastic arrangement per key resource."""
     n = candidates(q.mins, free)
     used = q.mins[:n].sum(axis=0)

@@ -105,10 +105,20 @@ class Scheduler(Service):
         self.starts = self._writer("started-writer")
         self.records = self._writer("record-writer")
         self.bus = await Bus.connect(self.mesh.nats_url, "scheduler")
-        self.bus.serve(subjects.SCHED_ACTIONS, SchedulerRequest, self.on_action,
-                       queue=subjects.SCHEDULER_QUEUE, max_in_flight=100_000)  # fmt: skip
-        self.bus.serve(subjects.SCHED_NODES, NodeMessage, self.on_node,
-                       queue=subjects.SCHEDULER_QUEUE, max_in_flight=100_000)  # fmt: skip
+        self.bus.serve(
+            subjects.SCHED_ACTIONS,
+            SchedulerRequest,
+            self.on_action,
+            queue=subjects.SCHEDULER_QUEUE,
+            max_in_flight=100_000,
+        )
+        self.bus.serve(
+            subjects.SCHED_NODES,
+            NodeMessage,
+            self.on_node,
+            queue=subjects.SCHEDULER_QUEUE,
+            max_in_flight=100_000,
+        )
         await self.bus.start()
         self.core.hold_until(self.clock() + self.cfg.reconcile_grace_s)
         await self.bus.publish(subjects.NODES_BROADCAST, Reconcile(epoch=self.epoch))
@@ -172,8 +182,9 @@ class Scheduler(Service):
                 await self.apply(self.core.cancel(aid, now))
                 await self._recorded([aid])
             case StatusQuery():
-                return SchedulerStatus(epoch=self.epoch, policy=self.core.policy.name,
-                                       **self.core.snapshot())  # fmt: skip
+                return SchedulerStatus(
+                    epoch=self.epoch, policy=self.core.policy.name, **self.core.snapshot()
+                )
         self._dirty.set()
         return Ack()
 
@@ -216,8 +227,9 @@ class Scheduler(Service):
             self._queue(e)
         for e in effects:
             if isinstance(e, Finish) and e.action.reply_subject:
-                await self.bus.publish(e.action.reply_subject, e.result,
-                                       traceparent=e.action.traceparent)  # fmt: skip
+                await self.bus.publish(
+                    e.action.reply_subject, e.result, traceparent=e.action.traceparent
+                )
 
     def _queue(self, e: Effect) -> None:
         assert self.starts is not None
@@ -250,10 +262,12 @@ class Scheduler(Service):
         match e:
             case StartOnNode():
                 if self._still_assigned(e):
-                    cmd = Dispatch(action=e.action, cores=e.cores, epoch=self.epoch,
-                                   incarnation=e.incarnation)  # fmt: skip
-                    await self.bus.publish(subjects.node(e.node_id), cmd,
-                                           traceparent=e.action.traceparent)  # fmt: skip
+                    cmd = Dispatch(
+                        action=e.action, cores=e.cores, epoch=self.epoch, incarnation=e.incarnation
+                    )
+                    await self.bus.publish(
+                        subjects.node(e.node_id), cmd, traceparent=e.action.traceparent
+                    )
             case KillOnNode():
                 kill = Kill(action_id=e.action_id, epoch=self.epoch, reason=e.reason)
                 await self.bus.publish(subjects.node(e.node_id), kill)

@@ -114,8 +114,11 @@ class KubeEngine:
 
     def wake_at(self) -> float | None:
         """The next time a pod becomes ready while actions wait for it (pod start latency)."""
-        times = [self._ready_at[a.trajectory_id] for a in self._waiting
-                 if a.trajectory_id in self._ready_at]  # fmt: skip
+        times = [
+            self._ready_at[a.trajectory_id]
+            for a in self._waiting
+            if a.trajectory_id in self._ready_at
+        ]
         return min(times, default=None)
 
     def _bind_pods(self, now: float) -> None:

@@ -46,10 +46,14 @@ class SimAction:
     def waiting(self) -> Waiting:
         s = self.step
         return Waiting(
-            self.action_id, s.choices, self.submitted_at, s.profile,
-            s.t_ori_s if s.hinted else None, s.parallel_fraction if s.hinted else None,
+            self.action_id,
+            s.choices,
+            self.submitted_at,
+            s.profile,
+            s.t_ori_s if s.hinted else None,
+            s.parallel_fraction if s.hinted else None,
             self.trajectory_id,
-        )  # fmt: skip
+        )
 
 
 class _Enriched:
@@ -58,16 +62,30 @@ class _Enriched:
     def __init__(self, inner: Policy, known: dict[str, Waiting]) -> None:
         self.inner, self.known, self.name = inner, known, inner.name
 
-    def arrange(self, waiting: Sequence[Waiting], free: int, capacity: int,
-                running: Sequence[Busy], now: float) -> list[int]:  # fmt: skip
+    def arrange(
+        self,
+        waiting: Sequence[Waiting],
+        free: int,
+        capacity: int,
+        running: Sequence[Busy],
+        now: float,
+    ) -> list[int]:
         return self.inner.arrange(waiting, free, capacity, [self._busy(b) for b in running], now)
 
     def _busy(self, b: Busy) -> Busy:
         w = self.known.get(b.action_id)
         if w is None:
             return b
-        return Busy(b.action_id, b.units, b.started_at, None, w.trajectory_id, w.profile,
-                    w.t_ori_s, w.parallel_fraction)  # fmt: skip
+        return Busy(
+            b.action_id,
+            b.units,
+            b.started_at,
+            None,
+            w.trajectory_id,
+            w.profile,
+            w.t_ori_s,
+            w.parallel_fraction,
+        )
 
 
 class CoreEngine:
@@ -81,12 +99,17 @@ class CoreEngine:
         per = cores // numa
         for n in range(nodes):
             inv = Inventory(
-                numa=tuple(NumaCores(numa_node=k, cores=tuple(range(k * per, (k + 1) * per)))
-                           for k in range(numa)),
-                memory_mb=NODE_MEMORY_MB, backend="sim", isolates=False,
-            )  # fmt: skip
-            self.core.node_report(NodeReport(node_id=f"node-{n}", incarnation="sim",
-                                             inventory=inv, full=True), 0.0)  # fmt: skip
+                numa=tuple(
+                    NumaCores(numa_node=k, cores=tuple(range(k * per, (k + 1) * per)))
+                    for k in range(numa)
+                ),
+                memory_mb=NODE_MEMORY_MB,
+                backend="sim",
+                isolates=False,
+            )
+            self.core.node_report(
+                NodeReport(node_id=f"node-{n}", incarnation="sim", inventory=inv, full=True), 0.0
+            )
 
     def submit(self, a: SimAction, now: float) -> None:
         self._known[a.action_id] = a.waiting()
@@ -122,11 +145,14 @@ def unified(a: SimAction) -> UnifiedAction:
     s = a.step
     hint = DurationHint(t_ori_s=s.t_ori_s, parallel_fraction=s.parallel_fraction)
     spec = ActionSpec(
-        action_id=a.action_id, job_id="sim", trajectory_id=a.trajectory_id,
-        action=ExecAction(command="true"), profile=s.profile,
+        action_id=a.action_id,
+        job_id="sim",
+        trajectory_id=a.trajectory_id,
+        action=ExecAction(command="true"),
+        profile=s.profile,
         cpus=s.choices[0] if len(s.choices) == 1 else [s.choices[0], s.choices[-1]],
         duration=hint if s.hinted else None,
-    )  # fmt: skip
+    )
     return UnifiedAction(
         spec=spec,
         demands=(Demand(resource="cpu", choices=s.choices),),
@@ -171,8 +197,9 @@ class PodEngine:
     def _admit(self, i: int, p: _Pool, now: float) -> list[Started]:
         if not p.waiting:
             return []
-        grants = p.policy.arrange([a.waiting() for a in p.waiting], p.free, p.capacity,
-                                  list(p.running.values()), now)  # fmt: skip
+        grants = p.policy.arrange(
+            [a.waiting() for a in p.waiting], p.free, p.capacity, list(p.running.values()), now
+        )
         started = [(a, g) for a, g in zip(p.waiting, grants, strict=False) if g > 0]
         gone = {a.action_id for a, _ in started}
         p.waiting = [a for a in p.waiting if a.action_id not in gone]
@@ -231,8 +258,9 @@ class SharedEngine:
         if isinstance(p.policy, ElasticPolicy):
             return p.policy.arrange_chunks(waiting, counts, running, now)
         grants = p.policy.arrange(waiting, p.free, p.capacity, running, now)
-        ok = fits_chunks_at_min([Waiting(w.action_id, (g,), 0.0) for w, g in
-                                 zip(waiting, grants, strict=False)], counts)  # fmt: skip
+        ok = fits_chunks_at_min(
+            [Waiting(w.action_id, (g,), 0.0) for w, g in zip(waiting, grants, strict=False)], counts
+        )
         return grants[:ok]
 
     def free_chunks(self) -> tuple[int, int, int, int]:

@@ -166,8 +166,17 @@ class Simulator:
         del self._due[key]
         self._engine(pool).complete(key, now)
         self._pools_touched.add(pool)
-        result.records.append(Record(key, action.trajectory_id, action.step.profile,
-                                     action.submitted_at, started_at, now, units))  # fmt: skip
+        result.records.append(
+            Record(
+                key,
+                action.trajectory_id,
+                action.step.profile,
+                action.submitted_at,
+                started_at,
+                now,
+                units,
+            )
+        )
         traj = self.trace[action.trajectory_id]
         nxt = int(key.rpartition("#")[2]) + 1
         if nxt < len(traj.steps):
@@ -251,8 +260,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for policy in policies:
             check_policy(policy)
-        trace = (load(args.trace) if args.trace
-                 else build_trace(args.workload, args.batch, args.seed))  # fmt: skip
+        trace = (
+            load(args.trace) if args.trace else build_trace(args.workload, args.batch, args.seed)
+        )
     except (ValueError, OSError) as exc:
         ap.error(str(exc))
     cluster = Cluster(nodes=args.nodes, cores_per_node=args.cores)

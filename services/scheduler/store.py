@@ -143,8 +143,9 @@ def _open(row: asyncpg.Record) -> OpenAction:
     import msgspec
 
     action = msgspec.structs.replace(action, attempt=row["attempt"])
-    return OpenAction(action, row["status"], row["node_id"], row["incarnation"],
-                      tuple(row["cores"] or ()))  # fmt: skip
+    return OpenAction(
+        action, row["status"], row["node_id"], row["incarnation"], tuple(row["cores"] or ())
+    )
 
 
 async def load_open(pool: asyncpg.Pool, *, older_than: float | None = None) -> list[OpenAction]:

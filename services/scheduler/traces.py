@@ -70,15 +70,24 @@ def ai_coding(cfg: CodingConfig, seed: int) -> Trace:
     for i in range(cfg.batch):
         turns = int(rng.integers(cfg.turns[0], cfg.turns[1] + 1))
         steps = [
-            Step(_lognormal(rng, cfg.gap_median_s, 0.6), "tool", (1,),
-                 _lognormal(rng, cfg.tool_median_s, 0.8))
+            Step(
+                _lognormal(rng, cfg.gap_median_s, 0.6),
+                "tool",
+                (1,),
+                _lognormal(rng, cfg.tool_median_s, 0.8),
+            )
             for _ in range(turns)
-        ]  # fmt: skip
-        steps.append(Step(
-            _lognormal(rng, cfg.gap_median_s, 0.6), "reward", tuple(range(1, cfg.max_dop + 1)),
-            _lognormal(rng, cfg.reward_median_s, cfg.reward_sigma),
-            float(rng.uniform(*cfg.parallel)), hinted=True,
-        ))  # fmt: skip
+        ]
+        steps.append(
+            Step(
+                _lognormal(rng, cfg.gap_median_s, 0.6),
+                "reward",
+                tuple(range(1, cfg.max_dop + 1)),
+                _lognormal(rng, cfg.reward_median_s, cfg.reward_sigma),
+                float(rng.uniform(*cfg.parallel)),
+                hinted=True,
+            )
+        )
         out.append(Trajectory(f"coding-{i}", float(rng.uniform(0, cfg.stagger_s)), tuple(steps)))
     return out
 
@@ -101,11 +110,17 @@ def mopd(cfg: MopdConfig, seed: int) -> Trace:
     for i in range(cfg.batch):
         burst = float(rng.integers(0, 4)) * cfg.burst_period_s
         steps = tuple(
-            Step(_lognormal(rng, 2.0, 1.0), f"teacher-{int(rng.integers(cfg.services))}",
-                 (1, 2, 4, 8), _lognormal(rng, cfg.call_median_s, 0.5), cfg.parallel,
-                 hinted=True, pool=GPU)
+            Step(
+                _lognormal(rng, 2.0, 1.0),
+                f"teacher-{int(rng.integers(cfg.services))}",
+                (1, 2, 4, 8),
+                _lognormal(rng, cfg.call_median_s, 0.5),
+                cfg.parallel,
+                hinted=True,
+                pool=GPU,
+            )
             for _ in range(int(rng.integers(cfg.calls[0], cfg.calls[1] + 1)))
-        )  # fmt: skip
+        )
         out.append(Trajectory(f"mopd-{i}", burst + float(rng.exponential(2.0)), steps))
     return out
 
@@ -126,10 +141,15 @@ def deepsearch(cfg: SearchConfig, seed: int) -> Trace:
     out: Trace = []
     for i in range(cfg.batch):
         steps = [
-            Step(_lognormal(rng, 3.0, 0.7), site, (1,), _lognormal(rng, cfg.call_median_s, 0.9),
-                 pool=f"quota:{site}")
+            Step(
+                _lognormal(rng, 3.0, 0.7),
+                site,
+                (1,),
+                _lognormal(rng, cfg.call_median_s, 0.9),
+                pool=f"quota:{site}",
+            )
             for site in rng.choice(cfg.sites, int(rng.integers(cfg.calls[0], cfg.calls[1] + 1)))
-        ]  # fmt: skip
+        ]
         steps.append(Step(1.0, "judge", (1, 2, 4, 8), cfg.judge_s, 0.8, hinted=True, pool=GPU))
         out.append(Trajectory(f"search-{i}", float(rng.exponential(5.0)), tuple(steps)))
     return out
@@ -213,8 +233,16 @@ def record(observed: Sequence[Observed]) -> Trace:
             p = o.parallel_fraction or 0.0
             t_ori = (o.finished_at - o.started_at) / ((1.0 - p) + p / o.units)
             hinted = o.parallel_fraction is not None
-            steps.append(Step(max(0.0, o.submitted_at - prev_end), o.profile, o.choices,
-                              max(t_ori, 1e-6), p, hinted))  # fmt: skip
+            steps.append(
+                Step(
+                    max(0.0, o.submitted_at - prev_end),
+                    o.profile,
+                    o.choices,
+                    max(t_ori, 1e-6),
+                    p,
+                    hinted,
+                )
+            )
             prev_end = o.finished_at
         out.append(Trajectory(tid, obs[0].submitted_at - t0, tuple(steps)))
     return out

@@ -11,10 +11,14 @@ def busy(action: UnifiedAction, units: int, started_at: float) -> Busy:
     spec = action.spec
     hint = spec.duration
     return Busy(
-        spec.action_id, units, started_at, trajectory_id=spec.trajectory_id,
-        profile=spec.profile, t_ori_s=hint.t_ori_s if hint else None,
+        spec.action_id,
+        units,
+        started_at,
+        trajectory_id=spec.trajectory_id,
+        profile=spec.profile,
+        t_ori_s=hint.t_ori_s if hint else None,
         parallel_fraction=hint.parallel_fraction if hint else None,
-    )  # fmt: skip
+    )
 
 
 def waiting(act: UnifiedAction) -> Waiting:

@@ -38,7 +38,7 @@ def specs(uid: str, log: Path, n: int, trajectories: int, sleep: str) -> list[Ac
             job_id=uid,
             trajectory_id=f"{uid}-t{i % trajectories}",
             action=ExecAction(command=cmd),
-        )  # fmt: skip
+        )
         for i in range(n)
     ]
 
@@ -46,8 +46,9 @@ def specs(uid: str, log: Path, n: int, trajectories: int, sleep: str) -> list[Ac
 async def terminal_records(dsn: str, ids: list[str]) -> tuple[dict[str, str], dict[str, int]]:
     conn = await asyncpg.connect(dsn)
     try:
-        rows = await conn.fetch("SELECT action_id, status FROM actions WHERE action_id = ANY($1)",
-                                ids)  # fmt: skip
+        rows = await conn.fetch(
+            "SELECT action_id, status FROM actions WHERE action_id = ANY($1)", ids
+        )
         events = await conn.fetch(
             "SELECT action_id, count(*) AS n FROM action_events WHERE action_id = ANY($1)"
             " AND status IN ('succeeded', 'failed', 'cancelled') GROUP BY action_id",
@@ -87,8 +88,9 @@ async def run_through_crash(mesh: Mesh, victim: str, uid: str, log: Path, n: int
     return results
 
 
-async def test_scheduler_kill9_loses_nothing_and_runs_nothing_twice(own_mesh: Mesh, uid: str,
-                                                                    tmp_path: Path):  # fmt: skip
+async def test_scheduler_kill9_loses_nothing_and_runs_nothing_twice(
+    own_mesh: Mesh, uid: str, tmp_path: Path
+):
     log = tmp_path / "ran.log"
     results = await run_through_crash(own_mesh, "scheduler", uid, log, n=60)
     assert all(r.ok for r in results), [
@@ -116,8 +118,9 @@ async def test_node_agent_kill9_fails_in_flight_as_node_died_and_reruns_nothing(
 
 
 @pytest.mark.parametrize("server", ["nats", "postgres"])
-async def test_server_kill9_mid_run_loses_nothing(own_mesh: Mesh, uid: str, tmp_path: Path,
-                                                  server: str):  # fmt: skip
+async def test_server_kill9_mid_run_loses_nothing(
+    own_mesh: Mesh, uid: str, tmp_path: Path, server: str
+):
     """The broker or the database is killed -9 and restarted while actions are in flight."""
     log = tmp_path / "ran.log"
     restart = own_mesh.restart_nats if server == "nats" else own_mesh.restart_postgres

@@ -19,10 +19,23 @@ ENV = {**os.environ, "TANGRAM_CPU_BACKEND": "process"}
 @pytest.mark.slow
 def test_demo_runs_a_rollout_and_reports_completion_times(tmp_path: Path):
     out = subprocess.run(
-        [*TANGRAM, "demo", "--state-dir", str(tmp_path), "--trajectories", "4", "--turns", "2",
-         "--backend", "process"],
-        capture_output=True, text=True, timeout=180, env=ENV,
-    )  # fmt: skip
+        [
+            *TANGRAM,
+            "demo",
+            "--state-dir",
+            str(tmp_path),
+            "--trajectories",
+            "4",
+            "--turns",
+            "2",
+            "--backend",
+            "process",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=ENV,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "action completion time" in out.stdout
     for word in ("queue", "execution", "overhead", "p50", "p99"):
@@ -34,8 +47,11 @@ def test_demo_runs_a_rollout_and_reports_completion_times(tmp_path: Path):
 def test_up_writes_mesh_json_and_exec_runs_an_action(tmp_path: Path):
     up = subprocess.Popen(
         [*TANGRAM, "up", "--state-dir", str(tmp_path), "--backend", "process"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+    )
     try:
         deadline = time.monotonic() + 60
         lines = []
@@ -51,14 +67,29 @@ def test_up_writes_mesh_json_and_exec_runs_an_action(tmp_path: Path):
         assert mesh["nats_url"].startswith("nats://")
         assert mesh["postgres_dsn"].startswith("postgresql://")
         ran = subprocess.run(
-            [*TANGRAM, "exec", "--state-dir", str(tmp_path), "--cpus", "1-2", "--",
-             "echo", "dop={dop}"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            [
+                *TANGRAM,
+                "exec",
+                "--state-dir",
+                str(tmp_path),
+                "--cpus",
+                "1-2",
+                "--",
+                "echo",
+                "dop={dop}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert ran.returncode == 0, ran.stderr
         assert ran.stdout.startswith("dop=")
-        failed = subprocess.run([*TANGRAM, "exec", "--state-dir", str(tmp_path), "--", "exit 7"],
-                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        failed = subprocess.run(
+            [*TANGRAM, "exec", "--state-dir", str(tmp_path), "--", "exit 7"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert failed.returncode == 7
     finally:
         up.send_signal(signal.SIGTERM)
@@ -80,15 +111,23 @@ async def test_service_runs_one_service_against_given_servers(tmp_path: Path):
     nats_srv = await asyncio.to_thread(EmbeddedNats(tmp_path / "nats").start)
     pg = await asyncio.to_thread(EmbeddedPostgres(tmp_path / "pg", fsync=False).start)
     proc = await asyncio.create_subprocess_exec(
-        *TANGRAM, "service", "gateway", "--nats", nats_srv.url, "--postgres", pg.dsn,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        *TANGRAM,
+        "service",
+        "gateway",
+        "--nats",
+        nats_srv.url,
+        "--postgres",
+        pg.dsn,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
     bus = await Bus.connect(nats_srv.url, "test")
     try:
         for _ in range(100):
             try:
-                await bus.request(subjects.GATEWAY, GetResult(action_id="nope"), GatewayReply,
-                                  timeout=0.5)  # fmt: skip
+                await bus.request(
+                    subjects.GATEWAY, GetResult(action_id="nope"), GatewayReply, timeout=0.5
+                )
             except NotFound:
                 break
             except Exception:

@@ -20,7 +20,7 @@ values = st.recursive(
         | st.dictionaries(
             st.sampled_from(["type", "spec", "action_id", "kind", "cpus", "x"]), inner, max_size=5
         )
-    ),  # fmt: skip
+    ),
     max_leaves=20,
 )
 

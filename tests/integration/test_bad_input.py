@@ -29,9 +29,11 @@ pack = msgspec.msgpack.encode
 
 def submit_payload(**spec: object) -> bytes:
     base: dict[str, object] = {
-        "action_id": "bad-1", "job_id": "j", "trajectory_id": "t",
+        "action_id": "bad-1",
+        "job_id": "j",
+        "trajectory_id": "t",
         "action": {"kind": "exec", "command": "true"},
-    }  # fmt: skip
+    }
     base.update(spec)
     return pack({"type": "submit", "spec": base})
 
@@ -76,9 +78,12 @@ async def test_gateway_rejects_with_a_reason_and_keeps_serving(
 
 async def test_unknown_fields_are_accepted_for_rolling_upgrades(client: Client, uid: str):
     spec = {
-        "action_id": f"{uid}-fwd", "job_id": uid, "trajectory_id": uid,
-        "action": {"kind": "exec", "command": "echo fwd", "future_field": 1}, "future": True,
-    }  # fmt: skip
+        "action_id": f"{uid}-fwd",
+        "job_id": uid,
+        "trajectory_id": uid,
+        "action": {"kind": "exec", "command": "echo fwd", "future_field": 1},
+        "future": True,
+    }
     payload = pack({"type": "submit", "spec": spec, "also_new": [1]})
     reply = await client.bus.nc.request(subjects.GATEWAY, payload, timeout=10)
     ack = codec.decode(reply.data, GatewayReply)
@@ -93,12 +98,20 @@ async def test_scheduler_and_node_subjects_reject_garbage(mesh: Mesh, client: Cl
         reply = await nc.request(subject, b"\x92\x01", timeout=10)
         err = codec.decode(reply.data, ErrorReply)
         assert err.code == "invalid_request"
-    bad_completion = pack({"type": "completion", "node_id": "node0", "incarnation": "x",
-                           "attempt": "one", "result": {}})  # fmt: skip
+    bad_completion = pack(
+        {
+            "type": "completion",
+            "node_id": "node0",
+            "incarnation": "x",
+            "attempt": "one",
+            "result": {},
+        }
+    )
     reply = await nc.request(subjects.SCHED_NODES, bad_completion, timeout=10)
     assert "attempt" in codec.decode(reply.data, NodeMessage | ErrorReply).message
-    bad_goodbye = pack({"type": "node_leaving", "node_id": "node0", "incarnation": "x",
-                        "started": [1, 2]})  # fmt: skip
+    bad_goodbye = pack(
+        {"type": "node_leaving", "node_id": "node0", "incarnation": "x", "started": [1, 2]}
+    )
     reply = await nc.request(subjects.SCHED_NODES, bad_goodbye, timeout=10)
     assert "started" in codec.decode(reply.data, NodeMessage | ErrorReply).message
     ok = await client.exec("echo alive", trajectory_id=uid, job_id=uid, wait_s=30)
@@ -106,10 +119,12 @@ async def test_scheduler_and_node_subjects_reject_garbage(mesh: Mesh, client: Cl
 
 
 async def test_node_refuses_a_deposed_schedulers_epoch(mesh: Mesh, client: Client, uid: str):
-    spec = ActionSpec(action_id=f"{uid}-e", job_id=uid, trajectory_id=uid,
-                      action=ExecAction(command="true"))  # fmt: skip
-    action = UnifiedAction(spec=spec, demands=(), key_resource="cpu", env_memory_mb=1,
-                           submitted_at=0.0)  # fmt: skip
+    spec = ActionSpec(
+        action_id=f"{uid}-e", job_id=uid, trajectory_id=uid, action=ExecAction(command="true")
+    )
+    action = UnifiedAction(
+        spec=spec, demands=(), key_resource="cpu", env_memory_mb=1, submitted_at=0.0
+    )
     for cmd in (Dispatch(action=action, cores=(0,), epoch=0), Kill(action_id="x", epoch=0)):
         reply = await client.bus.nc.request(subjects.node("node0"), encode(cmd), timeout=10)
         err = codec.decode(reply.data, ErrorReply)
@@ -122,8 +137,15 @@ async def test_a_client_sees_typed_errors(client: Client):
     with pytest.raises(InvalidRequest, match="empty command"):
         await client.exec("", trajectory_id="t", job_id="j")
     with pytest.raises(InvalidRequest, match="min > max"):
-        await client.submit(ActionSpec(action_id="z", job_id="j", trajectory_id="t",
-                                       action=ExecAction(command="true"), cpus=[3, 1]))  # fmt: skip
+        await client.submit(
+            ActionSpec(
+                action_id="z",
+                job_id="j",
+                trajectory_id="t",
+                action=ExecAction(command="true"),
+                cpus=[3, 1],
+            )
+        )
 
 
 async def test_oversized_payload_for_nats_is_refused_by_the_client_library(mesh: Mesh):
@@ -136,6 +158,11 @@ async def test_oversized_payload_for_nats_is_refused_by_the_client_library(mesh:
 
 
 def test_submit_struct_roundtrip_is_stable():
-    spec = ActionSpec(action_id="a", job_id="j", trajectory_id="t",
-                      action=ExecAction(command=["ls", "-l"]), cpus=[1, 4])  # fmt: skip
+    spec = ActionSpec(
+        action_id="a",
+        job_id="j",
+        trajectory_id="t",
+        action=ExecAction(command=["ls", "-l"]),
+        cpus=[1, 4],
+    )
     assert codec.decode(encode(Submit(spec=spec)), Submit).spec == spec

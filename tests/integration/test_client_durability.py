@@ -16,8 +16,12 @@ pytestmark = pytest.mark.slow
 
 
 def spec(action_id: str, command: str = "echo hi") -> ActionSpec:
-    return ActionSpec(action_id=action_id, job_id=action_id, trajectory_id=action_id,
-                      action=ExecAction(command=command))  # fmt: skip
+    return ActionSpec(
+        action_id=action_id,
+        job_id=action_id,
+        trajectory_id=action_id,
+        action=ExecAction(command=command),
+    )
 
 
 async def test_submit_only_use_keeps_no_waiters(mesh: Mesh, client: Client, uid: str):
@@ -42,8 +46,9 @@ async def test_run_of_a_finished_duplicate_keeps_no_waiter(client: Client, uid: 
     assert client._waiters == {}
 
 
-async def test_unavailable_reply_is_retried_within_the_timeout(mesh: Mesh, client: Client,
-                                                               uid: str):  # fmt: skip
+async def test_unavailable_reply_is_retried_within_the_timeout(
+    mesh: Mesh, client: Client, uid: str
+):
     assert mesh.pg is not None
     s = spec(f"{uid}-while-pg-down")
     await asyncio.to_thread(mesh.pg.kill)

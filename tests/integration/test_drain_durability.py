@@ -46,12 +46,17 @@ async def short_drain_mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
         await m.stop()
 
 
-async def test_action_longer_than_the_drain_ends_as_node_died(short_drain_mesh: Mesh, uid: str,
-                                                              tmp_path: Path):  # fmt: skip
+async def test_action_longer_than_the_drain_ends_as_node_died(
+    short_drain_mesh: Mesh, uid: str, tmp_path: Path
+):
     mesh = short_drain_mesh
     marker = tmp_path / "started"
-    spec = ActionSpec(action_id=f"{uid}-long", job_id=uid, trajectory_id=uid,
-                      action=ExecAction(command=f"touch {marker}; sleep 60"))  # fmt: skip
+    spec = ActionSpec(
+        action_id=f"{uid}-long",
+        job_id=uid,
+        trajectory_id=uid,
+        action=ExecAction(command=f"touch {marker}; sleep 60"),
+    )
     async with Client.connect(mesh.nats_url) as client:
         await client.submit(spec)
         await wait_for_file(marker)
@@ -118,15 +123,23 @@ class FakeScheduler:
     async def dispatch(self, report: NodeReport, spec: ActionSpec, core: int = 0) -> None:
         action = formulate(spec, now=time.time(), limits=Limits())
         action = msgspec.structs.replace(action, attempt=1)
-        cmd = Dispatch(action=action, cores=(report.inventory.numa[0].cores[core],), epoch=1,
-                       incarnation=report.incarnation)  # fmt: skip
+        cmd = Dispatch(
+            action=action,
+            cores=(report.inventory.numa[0].cores[core],),
+            epoch=1,
+            incarnation=report.incarnation,
+        )
         await self.bus.publish(subjects.node(report.node_id), cmd)
         await self.bus.nc.flush()
 
 
 def exec_spec(uid: str, name: str, command: str) -> ActionSpec:
-    return ActionSpec(action_id=f"{uid}-{name}", job_id=uid, trajectory_id=f"{uid}-{name}",
-                      action=ExecAction(command=command))  # fmt: skip
+    return ActionSpec(
+        action_id=f"{uid}-{name}",
+        job_id=uid,
+        trajectory_id=f"{uid}-{name}",
+        action=ExecAction(command=command),
+    )
 
 
 async def test_a_leaving_agent_names_what_it_started_and_goes_quiet(tmp_path: Path, uid: str):
@@ -167,8 +180,12 @@ async def test_the_launcher_outwaits_the_agents_worst_case_stop(tmp_path: Path, 
     drain_s = 8.0  # the agent's fixed waits (~8 s here) on top exceed the old 15 s SIGKILL limit
     mesh = Mesh(mesh_options(tmp_path / "mesh", env={"TANGRAM_DRAIN_S": str(drain_s)}))
     marker = tmp_path / "started"
-    spec = ActionSpec(action_id=f"{uid}-long", job_id=uid, trajectory_id=uid,
-                      action=ExecAction(command=f"touch {marker}; sleep 60"))  # fmt: skip
+    spec = ActionSpec(
+        action_id=f"{uid}-long",
+        job_id=uid,
+        trajectory_id=uid,
+        action=ExecAction(command=f"touch {marker}; sleep 60"),
+    )
     try:
         await mesh.start_servers()
         bus = await Bus.connect(mesh.nats_url, "silent-scheduler")

@@ -51,8 +51,12 @@ async def test_idle_environment_expires_and_its_trajectory_is_told(ttl_mesh: Mes
 async def test_sigterm_drains_in_flight_actions(mesh: Mesh, uid: str, tmp_path: Path):
     marker = tmp_path / "started"
     async with Client.connect(mesh.nats_url) as client:
-        spec = ActionSpec(action_id=f"{uid}-drain", job_id=uid, trajectory_id=uid,
-                          action=ExecAction(command=f"touch {marker}; sleep 1; echo finished"))  # fmt: skip
+        spec = ActionSpec(
+            action_id=f"{uid}-drain",
+            job_id=uid,
+            trajectory_id=uid,
+            action=ExecAction(command=f"touch {marker}; sleep 1; echo finished"),
+        )
         await client.submit(spec)
         await wait_for_file(marker)  # in flight on the node, not still being dispatched
         rc = await mesh.stop_service("cpu_manager.0")

@@ -62,9 +62,11 @@ async def test_trajectory_files_persist_and_are_invisible_to_other_trajectories(
 
 async def test_duplicate_action_id_runs_once(client: Client, uid: str):
     spec = ActionSpec(
-        action_id=f"{uid}-dup", job_id=uid, trajectory_id=uid,
+        action_id=f"{uid}-dup",
+        job_id=uid,
+        trajectory_id=uid,
         action=ExecAction(command="echo run >> runs.log; sleep 0.2"),
-    )  # fmt: skip
+    )
     first, second = await asyncio.gather(client.submit(spec), client.submit(spec))
     assert sorted([first.duplicate, second.duplicate]) == [False, True]
     res = await client.result(spec.action_id, timeout=30)
@@ -82,11 +84,15 @@ async def test_hundreds_of_concurrent_actions_never_share_a_core(client: Client,
     async def trajectory(t: int) -> list:
         out = []
         for _ in range(per_traj):
-            out.append(await client.exec(
-                "grep Cpus_allowed_list /proc/self/status; sleep 0.005",
-                trajectory_id=f"{uid}-{t}", job_id=uid, action_id=f"{uid}-{next(ids)}",
-                wait_s=120,
-            ))  # fmt: skip
+            out.append(
+                await client.exec(
+                    "grep Cpus_allowed_list /proc/self/status; sleep 0.005",
+                    trajectory_id=f"{uid}-{t}",
+                    job_id=uid,
+                    action_id=f"{uid}-{next(ids)}",
+                    wait_s=120,
+                )
+            )
         return out
 
     batches = await asyncio.gather(*(trajectory(t) for t in range(n_traj)))
@@ -111,25 +117,34 @@ async def test_hundreds_of_concurrent_actions_never_share_a_core(client: Client,
 
 async def test_timeout_kills_the_whole_process_group(client: Client, uid: str):
     res = await client.exec(
-        "sleep 300 & sleep 300; echo never", trajectory_id=uid, job_id=uid, timeout_s=0.5,
-        action_id=f"{uid}-slow", wait_s=30,
-    )  # fmt: skip
+        "sleep 300 & sleep 300; echo never",
+        trajectory_id=uid,
+        job_id=uid,
+        timeout_s=0.5,
+        action_id=f"{uid}-slow",
+        wait_s=30,
+    )
     assert res.status == "failed"
     assert res.error is not None
     assert res.error.kind is ErrorKind.EXEC_TIMEOUT
     assert res.infrastructure_failure
     assert "never" not in res.stdout
     await asyncio.sleep(0.2)
-    left = [p for p in psutil.process_iter(["environ"])
-            if (p.info["environ"] or {}).get("TANGRAM_ACTION_ID") == f"{uid}-slow"]  # fmt: skip
+    left = [
+        p
+        for p in psutil.process_iter(["environ"])
+        if (p.info["environ"] or {}).get("TANGRAM_ACTION_ID") == f"{uid}-slow"
+    ]
     assert left == []
 
 
 async def test_output_is_capped_and_truncation_flagged(client: Client, uid: str):
     res = await client.exec(
-        "head -c 300000 /dev/zero | tr '\\0' x", trajectory_id=uid, job_id=uid,
+        "head -c 300000 /dev/zero | tr '\\0' x",
+        trajectory_id=uid,
+        job_id=uid,
         output_cap_bytes=1000,
-    )  # fmt: skip
+    )
     assert res.ok
     assert len(res.stdout) == 1000
     assert res.stdout_truncated
@@ -151,8 +166,9 @@ async def test_close_env_removes_state_and_a_reused_id_starts_fresh(client: Clie
 
 
 async def test_cancel_a_running_action(client: Client, uid: str):
-    spec = ActionSpec(action_id=f"{uid}-c", job_id=uid, trajectory_id=uid,
-                      action=ExecAction(command="sleep 30"))  # fmt: skip
+    spec = ActionSpec(
+        action_id=f"{uid}-c", job_id=uid, trajectory_id=uid, action=ExecAction(command="sleep 30")
+    )
     await client.submit(spec)
     await asyncio.sleep(0.5)
     await client.cancel(spec.action_id)
@@ -169,8 +185,9 @@ async def test_queue_timeout_is_an_infrastructure_failure(mesh: Mesh, client: Cl
         for i in range(cores)
     ]
     await asyncio.sleep(0.3)
-    res = await client.exec("true", trajectory_id=f"{uid}-q", job_id=uid, queue_timeout_s=0.3,
-                            wait_s=30)  # fmt: skip
+    res = await client.exec(
+        "true", trajectory_id=f"{uid}-q", job_id=uid, queue_timeout_s=0.3, wait_s=30
+    )
     assert res.status == "failed"
     assert res.error is not None
     assert res.error.kind is ErrorKind.QUEUE_TIMEOUT
@@ -178,8 +195,12 @@ async def test_queue_timeout_is_an_infrastructure_failure(mesh: Mesh, client: Cl
 
 
 async def test_result_by_id_from_another_client(mesh: Mesh, client: Client, uid: str):
-    spec = ActionSpec(action_id=f"{uid}-x", job_id=uid, trajectory_id=uid,
-                      action=ExecAction(command="echo shared"))  # fmt: skip
+    spec = ActionSpec(
+        action_id=f"{uid}-x",
+        job_id=uid,
+        trajectory_id=uid,
+        action=ExecAction(command="echo shared"),
+    )
     await client.submit(spec)
     async with Client.connect(mesh.nats_url) as other:
         res = await other.result(spec.action_id, timeout=30)

@@ -72,8 +72,13 @@ async def dispatches(mesh: Mesh) -> AsyncIterator[dict[str, asyncio.Event]]:
 
 
 def spec(action_id: str, command: str, cpus: int = 1) -> ActionSpec:
-    return ActionSpec(action_id=action_id, job_id=action_id, trajectory_id=action_id,
-                      action=ExecAction(command=command), cpus=cpus)  # fmt: skip
+    return ActionSpec(
+        action_id=action_id,
+        job_id=action_id,
+        trajectory_id=action_id,
+        action=ExecAction(command=command),
+        cpus=cpus,
+    )
 
 
 async def until(what: str, probe, timeout_s: float = 15.0):  # type: ignore[no-untyped-def]
@@ -92,10 +97,15 @@ async def status_of(pg: asyncpg.Connection, action_id: str) -> tuple[str, int]:
     return row["status"], row["attempt"]
 
 
-async def test_dispatch_waits_for_its_started_record(mesh: Mesh, client: Client, uid: str,
-                                                     pg: asyncpg.Connection, dispatches,
-                                                     locker: asyncpg.Connection,
-                                                     tmp_path: Path):  # fmt: skip
+async def test_dispatch_waits_for_its_started_record(
+    mesh: Mesh,
+    client: Client,
+    uid: str,
+    pg: asyncpg.Connection,
+    dispatches,
+    locker: asyncpg.Connection,
+    tmp_path: Path,
+):
     """A scheduler killed between dispatch and record would rebuild the action as queued and
     run it again: so the dispatch must not leave while the record cannot commit."""
     cores = (await mesh.status(client.bus)).free_cores
@@ -108,8 +118,9 @@ async def test_dispatch_waits_for_its_started_record(mesh: Mesh, client: Client,
     lock = locker.transaction()
     await lock.start()
     try:
-        await locker.execute("SELECT 1 FROM actions WHERE action_id = $1 FOR UPDATE",
-                         target.action_id)  # fmt: skip
+        await locker.execute(
+            "SELECT 1 FROM actions WHERE action_id = $1 FOR UPDATE", target.action_id
+        )
         # The blocker ends, the target is started, and its record waits for our row lock.
         await until("the started record to block", lambda: pg.fetch(LOCK_WAITERS))
         sent = dispatches.setdefault(target.action_id, asyncio.Event())
@@ -126,11 +137,14 @@ async def test_dispatch_waits_for_its_started_record(mesh: Mesh, client: Client,
     assert await status_of(pg, target.action_id) == ("succeeded", 1)
 
 
-async def test_a_failed_terminal_write_is_retried_until_it_commits(mesh: Mesh, client: Client,
-                                                                   uid: str,
-                                                                   pg: asyncpg.Connection,
-                                                                   locker: asyncpg.Connection,
-                                                                   tmp_path: Path):  # fmt: skip
+async def test_a_failed_terminal_write_is_retried_until_it_commits(
+    mesh: Mesh,
+    client: Client,
+    uid: str,
+    pg: asyncpg.Connection,
+    locker: asyncpg.Connection,
+    tmp_path: Path,
+):
     """A real Postgres error on the terminal record (a cancelled statement, SQLSTATE 57014)
     must not lose it: the node's completion is acked only once it is committed."""
     marker = tmp_path / "running"
@@ -141,8 +155,9 @@ async def test_a_failed_terminal_write_is_retried_until_it_commits(mesh: Mesh, c
     lock = locker.transaction()
     await lock.start()
     try:
-        await locker.execute("SELECT 1 FROM actions WHERE action_id = $1 FOR UPDATE",
-                         action.action_id)  # fmt: skip
+        await locker.execute(
+            "SELECT 1 FROM actions WHERE action_id = $1 FOR UPDATE", action.action_id
+        )
         first = (await until("the terminal record to block", lambda: pg.fetch(LOCK_WAITERS)))[0]
         assert await pg.fetchval("SELECT pg_cancel_backend($1)", first["pid"])
 

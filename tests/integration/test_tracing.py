@@ -92,8 +92,9 @@ async def test_one_action_is_one_trace_across_every_hop(traced_mesh, uid: str):
         exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{collector.port}/v1/traces")
         provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=100))
     async with Client.connect(mesh.nats_url) as client:
-        res = await client.exec("echo traced", trajectory_id=uid, job_id=uid,
-                                action_id=f"{uid}-traced")  # fmt: skip
+        res = await client.exec(
+            "echo traced", trajectory_id=uid, job_id=uid, action_id=f"{uid}-traced"
+        )
     assert res.ok
     provider.force_flush()  # type: ignore[attr-defined]
     provider.shutdown()  # type: ignore[attr-defined]  # later tests export nothing

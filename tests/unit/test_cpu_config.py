@@ -41,12 +41,19 @@ def test_defaults_are_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("TANGRAM_CPU_EXEC_MODE", "fast"), ("TANGRAM_CPU_CPUSET_VIA", "magic"),
-     ("TANGRAM_CPU_PIDS_LIMIT", "0"), ("TANGRAM_CPU_BACKEND", "podman"),
-     ("TANGRAM_CPU_WARM_POOL", "-1"), ("TANGRAM_CPU_NETWORK_MODE", "bridge; rm -rf /"),
-     ("TANGRAM_CPU_NETWORK_MODE", ""), ("TANGRAM_CPU_MOUNTS", "relative:/x"),
-     ("TANGRAM_CPU_MOUNTS", "/a:/b:rx"), ("TANGRAM_CPU_MOUNTS", "/a:/b,/only-one")],
-)  # fmt: skip
+    [
+        ("TANGRAM_CPU_EXEC_MODE", "fast"),
+        ("TANGRAM_CPU_CPUSET_VIA", "magic"),
+        ("TANGRAM_CPU_PIDS_LIMIT", "0"),
+        ("TANGRAM_CPU_BACKEND", "podman"),
+        ("TANGRAM_CPU_WARM_POOL", "-1"),
+        ("TANGRAM_CPU_NETWORK_MODE", "bridge; rm -rf /"),
+        ("TANGRAM_CPU_NETWORK_MODE", ""),
+        ("TANGRAM_CPU_MOUNTS", "relative:/x"),
+        ("TANGRAM_CPU_MOUNTS", "/a:/b:rx"),
+        ("TANGRAM_CPU_MOUNTS", "/a:/b,/only-one"),
+    ],
+)
 def test_bad_values_fail_loudly(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
     monkeypatch.setenv(name, value)
     with pytest.raises(InvalidRequest, match="CpuManagerConfig") as err:

@@ -23,8 +23,10 @@ def test_substitute_dop_replaces_every_token() -> None:
 
 def test_substitute_dop_inside_a_shell_string() -> None:
     assert substitute_dop(("sh", "-c", "make -j{dop} && echo ${HOME}"), 8) == (
-        "sh", "-c", "make -j8 && echo ${HOME}",
-    )  # fmt: skip
+        "sh",
+        "-c",
+        "make -j8 && echo ${HOME}",
+    )
 
 
 def test_dop_must_be_positive() -> None:

@@ -44,8 +44,9 @@ async def test_ping_and_run(sock: Path) -> None:
 
 
 async def test_env_and_cwd(sock: Path, tmp_path: Path) -> None:
-    reply = await run(sock, ["sh", "-c", "echo $FOO $HOME; pwd"], env={"FOO": "bar"},
-                      cwd=str(tmp_path))  # fmt: skip
+    reply = await run(
+        sock, ["sh", "-c", "echo $FOO $HOME; pwd"], env={"FOO": "bar"}, cwd=str(tmp_path)
+    )
     assert reply.stdout.decode().split() == ["bar", "/work", str(tmp_path)]
 
 

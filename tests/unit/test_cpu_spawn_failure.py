@@ -27,8 +27,14 @@ async def backend(tmp_path: Path) -> AsyncIterator[ProcessBackend]:
 
 def request(argv: tuple[str, ...]) -> ExecRequest:
     core = min(os.sched_getaffinity(0))
-    return ExecRequest(action_id="a", trajectory_id="t", argv=argv, cores=(core,),
-                       timeout_s=10.0, output_cap_bytes=4096)  # fmt: skip
+    return ExecRequest(
+        action_id="a",
+        trajectory_id="t",
+        argv=argv,
+        cores=(core,),
+        timeout_s=10.0,
+        output_cap_bytes=4096,
+    )
 
 
 async def test_missing_program_exits_127_naming_it(backend: ProcessBackend) -> None:
@@ -48,8 +54,9 @@ async def test_missing_path_exits_127(backend: ProcessBackend, tmp_path: Path) -
     assert missing.encode() in out.stderr
 
 
-async def test_program_without_exec_permission_exits_126(backend: ProcessBackend,
-                                                         tmp_path: Path) -> None:  # fmt: skip
+async def test_program_without_exec_permission_exits_126(
+    backend: ProcessBackend, tmp_path: Path
+) -> None:
     script = tmp_path / "not-executable.sh"
     script.write_text("#!/bin/sh\necho hi\n")
     script.chmod(0o644)

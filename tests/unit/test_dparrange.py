@@ -55,8 +55,10 @@ def test_basic_dparrange_equals_brute_force(ts: list[Task], capacity: int) -> No
     assert np.isclose(obj, expected)
     assert sum(alloc) <= capacity
     assert all(k in t.choices for t, k in zip(ts, alloc, strict=True))
-    assert np.isclose(sum(float(t.durations[list(t.choices).index(k)])
-                          for t, k in zip(ts, alloc, strict=True)), obj)  # fmt: skip
+    assert np.isclose(
+        sum(float(t.durations[list(t.choices).index(k)]) for t, k in zip(ts, alloc, strict=True)),
+        obj,
+    )
 
 
 @settings(max_examples=100, deadline=None)
@@ -71,10 +73,13 @@ def test_every_prefix_is_optimal(ts: list[Task], capacity: int) -> None:
 
 @settings(max_examples=100, deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(1, 3), st.integers(1, 8), st.floats(1, 50), st.floats(0, 1)),
-             min_size=1, max_size=5),
+    st.lists(
+        st.tuples(st.integers(1, 3), st.integers(1, 8), st.floats(1, 50), st.floats(0, 1)),
+        min_size=1,
+        max_size=5,
+    ),
     st.integers(0, 30),
-)  # fmt: skip
+)
 def test_greedy_fast_path_equals_dp(spec: list[tuple[int, int, float, float]], cap: int) -> None:
     ts = []
     for lo, width, t_ori, p in spec:
@@ -140,8 +145,9 @@ def _take(free: list[tuple[int, int]], k: int) -> tuple[int, int] | None:
 
 @settings(max_examples=100, deadline=None)
 @given(chunk_counts, st.lists(st.tuples(st.floats(1, 20), st.floats(0, 1)), min_size=1, max_size=4))
-def test_chunk_dparrange_equals_brute_force(counts: tuple[int, ...],
-                                            spec: list[tuple[float, float]]) -> None:  # fmt: skip
+def test_chunk_dparrange_equals_brute_force(
+    counts: tuple[int, ...], spec: list[tuple[float, float]]
+) -> None:
     choices = np.array([1, 2, 4, 8], dtype=np.int64)
     ts = [Task(choices, Amdahl(t, p).durations(choices)) for t, p in spec]
     obj, alloc = dparrange(ChunkOperator(counts), ts)

@@ -45,11 +45,17 @@ def waiting_lists(draw: st.DrawFn) -> list[Waiting]:
             lo = draw(st.integers(1, 4))
             choices = tuple(range(lo, lo + draw(st.integers(1, 16))))
         hinted = draw(st.booleans())
-        out.append(Waiting(
-            f"a{i}", choices, float(i), "p" if hinted else "",
-            draw(st.floats(0.5, 500)) if hinted else None,
-            draw(st.floats(0, 1)) if hinted else None, f"t{i % 4}",
-        ))  # fmt: skip
+        out.append(
+            Waiting(
+                f"a{i}",
+                choices,
+                float(i),
+                "p" if hinted else "",
+                draw(st.floats(0.5, 500)) if hinted else None,
+                draw(st.floats(0, 1)) if hinted else None,
+                f"t{i % 4}",
+            )
+        )
     return out
 
 
@@ -142,8 +148,9 @@ def test_trajectory_static_reserves_per_trajectory() -> None:
 def multi_queues(draw: st.DrawFn) -> tuple[Queue, np.ndarray]:
     k = draw(st.integers(2, 4))
     n = draw(st.integers(0, 20))
-    mins = np.array([[draw(st.integers(0, 3)) for _ in range(k)] for _ in range(n)],
-                    dtype=np.int64).reshape(n, k)  # fmt: skip
+    mins = np.array(
+        [[draw(st.integers(0, 3)) for _ in range(k)] for _ in range(n)], dtype=np.int64
+    ).reshape(n, k)
     key = np.array([draw(st.integers(0, k - 1)) for _ in range(n)], dtype=np.int64)
     tasks, elastic = [], []
     for i in range(n):
@@ -178,9 +185,12 @@ def test_multi_resource_never_exceeds_capacity(qf: tuple[Queue, np.ndarray]) -> 
 
 
 def _reference_estimate(
-    now: float, free: int, heap: list[tuple[float, int]], first: list[tuple[int, float]],
+    now: float,
+    free: int,
+    heap: list[tuple[float, int]],
+    first: list[tuple[int, float]],
     rest: list[tuple[int, float]],
-) -> float:  # fmt: skip
+) -> float:
     """Each first option on its own copy of the releases, the rest at their given amounts."""
     best = float("inf")
     for units0, dur0 in first:
@@ -205,19 +215,27 @@ def _ref_wait(t: float, f: int, need: int, h: list[tuple[float, int]]) -> tuple[
     return t, f
 
 
-releases = st.lists(st.tuples(st.floats(0, 50, allow_subnormal=False), st.integers(1, 8)),
-                   max_size=12)  # fmt: skip
-amounts = st.lists(st.tuples(st.integers(1, 8), st.floats(0, 30, allow_subnormal=False)),
-                   min_size=1, max_size=3)  # fmt: skip
+releases = st.lists(
+    st.tuples(st.floats(0, 50, allow_subnormal=False), st.integers(1, 8)), max_size=12
+)
+amounts = st.lists(
+    st.tuples(st.integers(1, 8), st.floats(0, 30, allow_subnormal=False)), min_size=1, max_size=3
+)
 
 
 @settings(max_examples=300, deadline=None)
-@given(releases, amounts, st.lists(st.tuples(st.integers(1, 8),
-       st.floats(0, 30, allow_subnormal=False)), max_size=25), st.integers(0, 16))  # fmt: skip
+@given(
+    releases,
+    amounts,
+    st.lists(st.tuples(st.integers(1, 8), st.floats(0, 30, allow_subnormal=False)), max_size=25),
+    st.integers(0, 16),
+)
 def test_compiled_estimate_equals_the_plain_heap_simulation(
-    heap: list[tuple[float, int]], first: list[tuple[int, float]],
-    rest: list[tuple[int, float]], free: int,
-) -> None:  # fmt: skip
+    heap: list[tuple[float, int]],
+    first: list[tuple[int, float]],
+    rest: list[tuple[int, float]],
+    free: int,
+) -> None:
     """Same pops, same pushes, same sums in the same order: equal to the last bit, with and
     without the pruning bound (which may only cut options that cannot win)."""
     heapq.heapify(heap)
@@ -253,9 +271,14 @@ def _ref_at(row: Row, m: int) -> tuple[int, float]:
 
 
 def _reference_objective(
-    rows: list[Row], table: PrefixTable, free: int, releases: Releases, now: float, depth: int,
+    rows: list[Row],
+    table: PrefixTable,
+    free: int,
+    releases: Releases,
+    now: float,
+    depth: int,
     t: int,
-) -> float:  # fmt: skip
+) -> float:
     """Exact part of the first t candidates plus the best estimate over the DoP levels: at the
     lowest (everyone at the minimum) the first behind tries ``depth`` of its amounts, at the
     others it runs at the level as well."""
@@ -273,15 +296,24 @@ def _reference_objective(
         return t * now + exact
     head = rest[0]
     pick = list(spread(head.task.choices.size, depth))
-    own = list(zip(head.task.choices[pick].tolist(), head.task.durations[pick].tolist(),
-                   strict=True))  # fmt: skip
+    own = list(
+        zip(head.task.choices[pick].tolist(), head.task.durations[pick].tolist(), strict=True)
+    )
     levels = _reference_levels(rows)
-    return t * now + exact + min(
-        _reference_estimate(now, free - sum(alloc), heap,
-                            own if m == levels[0] else [_ref_at(head, m)],
-                            [_ref_at(r, m) for r in rest[1:]])
-        for m in levels
-    )  # fmt: skip
+    return (
+        t * now
+        + exact
+        + min(
+            _reference_estimate(
+                now,
+                free - sum(alloc),
+                heap,
+                own if m == levels[0] else [_ref_at(head, m)],
+                [_ref_at(r, m) for r in rest[1:]],
+            )
+            for m in levels
+        )
+    )
 
 
 def _reference_levels(rows: list[Row]) -> list[int]:
@@ -320,8 +352,12 @@ class _ReferenceGreedy:
         return tuple(int(task.choices[0]) + e for task, e in zip(self._tasks, extra, strict=False))
 
     def _taken(self, t: int, slack: int) -> list[tuple[float, int, int]]:
-        incs = [(float(g), row, k) for row, task in enumerate(self._tasks[:t])
-                for k, g in enumerate(-np.diff(task.durations)) if g > 0.0]  # fmt: skip
+        incs = [
+            (float(g), row, k)
+            for row, task in enumerate(self._tasks[:t])
+            for k, g in enumerate(-np.diff(task.durations))
+            if g > 0.0
+        ]
         incs.sort(key=lambda x: (-x[0], x[1], x[2]))
         return incs[: max(slack, 0)]
 
@@ -337,9 +373,14 @@ def _reference_row(w: Waiting, policy: ElasticPolicy) -> Row:
 
 
 def reference_decide(
-    policy: ElasticPolicy, waiting: list[Waiting], n: int, free: int, op: DpOperator,
-    running: list[Busy], now: float,
-) -> tuple[list[int], dict[int, float]]:  # fmt: skip
+    policy: ElasticPolicy,
+    waiting: list[Waiting],
+    n: int,
+    free: int,
+    op: DpOperator,
+    running: list[Busy],
+    now: float,
+) -> tuple[list[int], dict[int, float]]:
     """``ElasticPolicy._decide`` before the fast path: every eviction step from scratch. Returns
     the grants and the objective of every prefix it looked at."""
     if n == 0:
@@ -396,8 +437,9 @@ def instances(draw: st.DrawFn) -> tuple[list[Waiting], int, list[Busy], float]:
     for i in range(draw(st.integers(1, 48))):
         kind = draw(st.sampled_from(["tool", "range", "set", "unknown", "learned", "mean"]))
         if kind == "tool":
-            waiting.append(Waiting(f"a{i}", (draw(st.integers(1, 3)),), 0.0, "t",
-                                   draw(_SECONDS), 0.0))  # fmt: skip
+            waiting.append(
+                Waiting(f"a{i}", (draw(st.integers(1, 3)),), 0.0, "t", draw(_SECONDS), 0.0)
+            )
             continue
         if kind == "set":
             choices = tuple(sorted(draw(st.sets(st.sampled_from([1, 2, 4, 8, 16]), min_size=1))))
@@ -411,10 +453,14 @@ def instances(draw: st.DrawFn) -> tuple[list[Waiting], int, list[Busy], float]:
             waiting.append(Waiting(f"a{i}", choices, 0.0, "r", draw(_SECONDS), draw(_FRACTIONS)))
     now = draw(st.sampled_from([0.0, 5.0]))
     running = [
-        Busy(f"b{i}", draw(st.integers(1, 16)), 0.0,
-             draw(st.one_of(st.none(), st.sampled_from([1.0, 3.0, 10.0]))))
+        Busy(
+            f"b{i}",
+            draw(st.integers(1, 16)),
+            0.0,
+            draw(st.one_of(st.none(), st.sampled_from([1.0, 3.0, 10.0]))),
+        )
         for i in range(draw(st.integers(0, 8)))
-    ]  # fmt: skip
+    ]
     return waiting, draw(st.integers(0, 96)), running, now
 
 

@@ -11,13 +11,23 @@ from tangram.errors import InvalidRequest
 
 def spec(command: str | list[str] = "true", **kw: object) -> ActionSpec:
     env = kw.pop("env", {})
-    return ActionSpec(action_id="a", job_id="j", trajectory_id="t",
-                      action=ExecAction(command=command, env=env), **kw)  # type: ignore[arg-type]  # fmt: skip
+    return ActionSpec(
+        action_id="a",
+        job_id="j",
+        trajectory_id="t",
+        action=ExecAction(command=command, env=env),
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 def test_cost_vector_ranges_and_key_resource():
-    act = formulate(spec(cpus=[2, 5], memory_mb=300), now=7.0, limits=Limits(),
-                    reply_subject="r", traceparent="tp")  # fmt: skip
+    act = formulate(
+        spec(cpus=[2, 5], memory_mb=300),
+        now=7.0,
+        limits=Limits(),
+        reply_subject="r",
+        traceparent="tp",
+    )
     assert act.key_resource == CPU
     assert act.demands[0].choices == (2, 3, 4, 5)
     assert (act.demands[0].min, act.demands[0].max) == (2, 5)

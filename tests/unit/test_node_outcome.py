@@ -9,8 +9,11 @@ from services.cpu_manager.outcome import to_result
 from services.gateway.formulation import Limits, formulate
 from tangram.contract import ActionSpec, ErrorKind, ExecAction
 
-ACTION = formulate(ActionSpec(action_id="a", job_id="j", trajectory_id="t",
-                              action=ExecAction(command="x")), now=1.0, limits=Limits())  # fmt: skip
+ACTION = formulate(
+    ActionSpec(action_id="a", job_id="j", trajectory_id="t", action=ExecAction(command="x")),
+    now=1.0,
+    limits=Limits(),
+)
 
 
 def outcome(code: int | None, failure: EnvFailure | None = None) -> ExecOutcome:

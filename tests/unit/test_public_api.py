@@ -3,11 +3,29 @@
 import tangram
 
 EXPECTED = {
-    "Accepted", "ActionError", "ActionResult", "ActionSpec", "Allocation", "Busy", "CallerError",
-    "Client", "DurationHint", "ErrorKind", "ExecAction", "InternalError", "InvalidRequest",
-    "NotFound", "RemoteError", "ResultTimeout", "ServiceDead", "SyncClient", "TangramError",
-    "Timings", "Unavailable", "__version__",
-}  # fmt: skip
+    "Accepted",
+    "ActionError",
+    "ActionResult",
+    "ActionSpec",
+    "Allocation",
+    "Busy",
+    "CallerError",
+    "Client",
+    "DurationHint",
+    "ErrorKind",
+    "ExecAction",
+    "InternalError",
+    "InvalidRequest",
+    "NotFound",
+    "RemoteError",
+    "ResultTimeout",
+    "ServiceDead",
+    "SyncClient",
+    "TangramError",
+    "Timings",
+    "Unavailable",
+    "__version__",
+}
 
 
 def test_public_api_is_pinned():

@@ -29,10 +29,14 @@ def finishes(effects: list) -> dict[str, ActionResult]:
     return {e.result.action_id: e.result for e in effects if isinstance(e, Finish)}
 
 
-def leaving(node: str, inc: str = "i0", draining: bool = False, started: tuple[str, ...] | None
-            = None, envs: tuple[str, ...] | None = None) -> NodeLeaving:  # fmt: skip
-    return NodeLeaving(node_id=node, incarnation=inc, draining=draining, started=started,
-                       envs=envs)  # fmt: skip
+def leaving(
+    node: str,
+    inc: str = "i0",
+    draining: bool = False,
+    started: tuple[str, ...] | None = None,
+    envs: tuple[str, ...] | None = None,
+) -> NodeLeaving:
+    return NodeLeaving(node_id=node, incarnation=inc, draining=draining, started=started, envs=envs)
 
 
 def core_with(*reports: NodeReport, **cfg: float) -> SchedulerCore:
@@ -190,8 +194,9 @@ def test_restart_adopts_what_nodes_report_and_redoes_what_they_never_got():
 
 def test_restored_actions_whose_node_never_returns_end_as_node_died():
     core = SchedulerCore(cfg=CoreConfig(node_timeout_s=2.0))
-    core.restore_running(msgspec.structs.replace(action("a", "t"), attempt=1), "gone", "i0",
-                         (0,), 0.0)  # fmt: skip
+    core.restore_running(
+        msgspec.structs.replace(action("a", "t"), attempt=1), "gone", "i0", (0,), 0.0
+    )
     core.hold_until(1.0)
     assert finishes(core.tick(1.5)) == {}
     assert finishes(core.tick(3.5))["a"].error.kind is ErrorKind.NODE_DIED  # type: ignore[union-attr]
@@ -220,7 +225,7 @@ events = st.lists(
         st.sampled_from(["submit", "complete", "tick", "cancel", "close"]),
         st.integers(0, 30),
         st.integers(1, 3),
-    ),  # fmt: skip
+    ),
     max_size=80,
 )
 
@@ -238,19 +243,27 @@ def test_cores_are_never_double_allocated_and_every_grant_is_allowed(evs):
             effects += core.enqueue(action(f"a{n}-{now}", f"t{n % 5}", cpus=[1, cpus]), now)
         elif kind == "complete" and running:
             run = running.pop(sorted(running)[n % len(running)])
-            effects += core.complete(run.node_id, run.incarnation, run.action.attempt,
-                                     done(run), now)  # fmt: skip
+            effects += core.complete(
+                run.node_id, run.incarnation, run.action.attempt, done(run), now
+            )
         elif kind == "cancel" and core.queue:
             effects += core.cancel(sorted(core.queue)[n % len(core.queue)], now)
         elif kind == "close":
             effects += core.close_env(f"t{n % 5}", now)
-            running = {k: v for k, v in running.items()
-                       if v.action.spec.trajectory_id != f"t{n % 5}"}  # fmt: skip
-            for aid in [a for a, r in core.running.items()
-                        if r.action.spec.trajectory_id == f"t{n % 5}"]:  # fmt: skip
+            running = {
+                k: v for k, v in running.items() if v.action.spec.trajectory_id != f"t{n % 5}"
+            }
+            for aid in [
+                a for a, r in core.running.items() if r.action.spec.trajectory_id == f"t{n % 5}"
+            ]:
                 r = core.running[aid]
-                core.complete(r.node_id, r.incarnation, r.action.attempt,
-                              ActionResult(action_id=aid, status="cancelled"), now)  # fmt: skip
+                core.complete(
+                    r.node_id,
+                    r.incarnation,
+                    r.action.attempt,
+                    ActionResult(action_id=aid, status="cancelled"),
+                    now,
+                )
         effects += core.schedule(now)
         for s in starts(effects):
             assert len(s.cores) in s.action.demands[0].choices

@@ -26,8 +26,10 @@ def test_deterministic_for_a_seed(workload: str) -> None:
 @pytest.mark.parametrize("policy", ["min", "elastic", "fixed-dop:4", "trajectory-static:2"])
 def test_every_action_finishes_within_capacity(policy: str) -> None:
     result = simulate(build_trace("coding", 40, seed=1), policy, SMALL)
-    events = sorted([(r.started_at, r.units) for r in result.records]
-                    + [(r.finished_at, -r.units) for r in result.records])  # fmt: skip
+    events = sorted(
+        [(r.started_at, r.units) for r in result.records]
+        + [(r.finished_at, -r.units) for r in result.records]
+    )
     in_use, peak = 0, 0
     for _, delta in events:
         in_use += delta
@@ -95,8 +97,24 @@ def test_replay_through_the_core_makes_the_same_decisions(policy: str) -> None:
 
 
 def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--batch", "8", "--nodes", "1", "--cores", "16", "--policy", "min",
-                 "--policy", "elastic", "--json"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "--batch",
+                "8",
+                "--nodes",
+                "1",
+                "--cores",
+                "16",
+                "--policy",
+                "min",
+                "--policy",
+                "elastic",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.count("mean_act_per_trajectory_s") == 2
 
 

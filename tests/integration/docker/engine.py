@@ -106,11 +106,21 @@ class LocalDockerd:
 
     def _argv(self, dockerd: str) -> list[str]:
         return [
-            dockerd, "--iptables=false", "--ip6tables=false", "--bridge=none",
-            "--storage-driver=vfs", "--data-root", str(self.base / "data"),
-            "--exec-root", str(self.base / "exec"), "--pidfile", str(self.base / "dockerd.pid"),
-            "--host", self.host, "--log-level=warn",
-        ]  # fmt: skip
+            dockerd,
+            "--iptables=false",
+            "--ip6tables=false",
+            "--bridge=none",
+            "--storage-driver=vfs",
+            "--data-root",
+            str(self.base / "data"),
+            "--exec-root",
+            str(self.base / "exec"),
+            "--pidfile",
+            str(self.base / "dockerd.pid"),
+            "--host",
+            self.host,
+            "--log-level=warn",
+        ]
 
     def start(self, timeout_s: float = 60.0) -> Engine:
         """Start dockerd, wait until it answers, build the test image."""

@@ -77,12 +77,23 @@ async def test_no_engine_means_process_and_says_so(tmp_path: Path) -> None:
 async def test_up_says_docker_in_one_line_and_its_actions_run_there(docker_engine: Engine) -> None:
     await asyncio.to_thread(_remove_image, docker_engine.host, sandbox_image.TAG)
     state = Path(tempfile.mkdtemp(prefix="tgu-", dir="/tmp"))  # unix socket paths are short
-    env = {**os.environ, "TANGRAM_CPU_DOCKER_HOST": docker_engine.host,
-           "TANGRAM_CPU_WARM_POOL": "0", "TANGRAM_CPU_MOUNTS": ""}  # fmt: skip
+    env = {
+        **os.environ,
+        "TANGRAM_CPU_DOCKER_HOST": docker_engine.host,
+        "TANGRAM_CPU_WARM_POOL": "0",
+        "TANGRAM_CPU_MOUNTS": "",
+    }
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tangram.cli", "up", "--state-dir", str(state),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "tangram.cli",
+        "up",
+        "--state-dir",
+        str(state),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=env,
+    )
     lines: list[str] = []
     try:
         async with asyncio.timeout(90):
@@ -97,8 +108,9 @@ async def test_up_says_docker_in_one_line_and_its_actions_run_there(docker_engin
 
         nats_url = lines[-1].split()[3]
         async with Client.connect(nats_url) as client:
-            res = await client.exec("python3 -c 'print(7)'; id -u", trajectory_id="up-1",
-                                    job_id="up", wait_s=60)  # fmt: skip
+            res = await client.exec(
+                "python3 -c 'print(7)'; id -u", trajectory_id="up-1", job_id="up", wait_s=60
+            )
         assert res.ok, (res.error, res.stderr)
         assert res.stdout.split() == ["7", "65534"]  # in the sandbox, not as this user
     finally:

@@ -43,9 +43,13 @@ async def test_auto_picks_docker_and_actions_run_pinned_in_their_container(
     log = (docker_mesh.opts.state_dir / "logs" / "cpu_manager.0.log").read_text()
     assert "docker backend (engine" in log
     async with Client.connect(docker_mesh.nats_url) as client:
-        first = await client.exec("echo kept > f; cat /sys/fs/cgroup/cpuset.cpus.effective "
-                                  "2>/dev/null || grep Cpus_allowed_list /proc/self/status",
-                                  trajectory_id=uid, job_id=uid, wait_s=60)  # fmt: skip
+        first = await client.exec(
+            "echo kept > f; cat /sys/fs/cgroup/cpuset.cpus.effective "
+            "2>/dev/null || grep Cpus_allowed_list /proc/self/status",
+            trajectory_id=uid,
+            job_id=uid,
+            wait_s=60,
+        )
         assert first.ok, (first.error, first.stderr)
         assert first.allocation is not None
         seen = first.stdout.strip().split(":")[-1].strip()
@@ -56,7 +60,6 @@ async def test_auto_picks_docker_and_actions_run_pinned_in_their_container(
         other = await client.exec("cat f", trajectory_id=f"{uid}-b", job_id=uid, wait_s=60)
         assert other.exit_code != 0
         port = docker_mesh.nats_url.rsplit(":", 1)[1]
-        probe = ("python3 -c \"import socket; socket.create_connection(('127.0.0.1', "
-                 f"{port}), 2)\"")  # fmt: skip
+        probe = f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 2)\""
         net = await client.exec(probe, trajectory_id=uid, job_id=uid, wait_s=60)
         assert net.exit_code != 0  # no network by default: the host's NATS is unreachable
