@@ -1,17 +1,9 @@
-"""Turn a backend's ExecOutcome into the ActionResult the client gets (pure)."""
+"""Turn a backend's ExecOutcome into the facts the node agent reports (pure)."""
 
 from __future__ import annotations
 
 from services.cpu_manager.backend import EnvFailure, ExecOutcome
-from tangram.contract import (
-    ActionError,
-    ActionResult,
-    ActionStatus,
-    Allocation,
-    ErrorKind,
-    Timings,
-    UnifiedAction,
-)
+from tangram.contract import ErrorKind, Outcome
 
 _KINDS = {
     EnvFailure.ENVIRONMENT_LOST: ErrorKind.ENVIRONMENT_LOST,
@@ -24,50 +16,20 @@ _KINDS = {
 }
 
 
-def error_of(outcome: ExecOutcome, kill_reason: ErrorKind | None) -> ActionError | None:
-    """The infrastructure error, a kill on request, or the command's own non-zero exit."""
+def to_outcome(outcome: ExecOutcome, kill_reason: ErrorKind | None) -> Outcome:
+    """The facts the scheduler gets: a kill on request wins over the killed exit code."""
+    failure = _KINDS[outcome.failure] if outcome.failure is not None else None
+    detail = outcome.detail
     if kill_reason is not None and outcome.failure in (EnvFailure.KILLED, None):
-        return ActionError(kind=kill_reason, message=outcome.detail or "killed on request")
-    if outcome.failure is not None:
-        return ActionError(kind=_KINDS[outcome.failure], message=outcome.detail)
-    if outcome.exit_code != 0:
-        return ActionError(
-            kind=ErrorKind.COMMAND_FAILED, message=f"exited with status {outcome.exit_code}"
-        )
-    return None
-
-
-def status_of(error: ActionError | None) -> ActionStatus:
-    if error is None:
-        return "succeeded"
-    return "cancelled" if error.kind is ErrorKind.CANCELLED else "failed"
-
-
-def to_result(
-    action: UnifiedAction,
-    outcome: ExecOutcome,
-    kill_reason: ErrorKind | None,
-    node_id: str,
-    cores: tuple[int, ...],
-) -> ActionResult:
-    error = error_of(outcome, kill_reason)
-    return ActionResult(
-        action_id=action.spec.action_id,
-        status=status_of(error),
+        failure, detail = kill_reason, outcome.detail or "killed on request"
+    return Outcome(
+        failure=failure,
+        detail=detail,
         exit_code=outcome.exit_code,
         stdout=outcome.stdout.decode("utf-8", "replace"),
         stderr=outcome.stderr.decode("utf-8", "replace"),
         stdout_truncated=outcome.stdout_truncated,
         stderr_truncated=outcome.stderr_truncated,
-        error=error,
-        allocation=Allocation(node_id=node_id, cores=cores),
-        timings=Timings(
-            submitted_at=action.submitted_at,
-            started_at=outcome.started_at,
-            finished_at=outcome.finished_at,
-            exec_s=max(0.0, outcome.finished_at - outcome.started_at),
-        ),
-        attempt=action.attempt,
-        job_id=action.spec.job_id,
-        trajectory_id=action.spec.trajectory_id,
+        started_at=outcome.started_at,
+        finished_at=outcome.finished_at,
     )

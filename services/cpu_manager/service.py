@@ -24,7 +24,7 @@ from services.cpu_manager.backend import Backend, EnvFailure, ExecOutcome, ExecR
 from services.cpu_manager.backends import make_backend
 from services.cpu_manager.config import CpuManagerConfig
 from services.cpu_manager.dop import substitute_dop
-from services.cpu_manager.outcome import to_result
+from services.cpu_manager.outcome import to_outcome
 from services.cpu_manager.process_backend import ProcessBackend, ProcessConfig
 from tangram import subjects
 from tangram.bus import Bus
@@ -78,6 +78,7 @@ class CpuManager(Service):
         self.epoch = 0
         self.active: dict[str, _Active] = {}
         self.outbox: dict[str, Completion] = {}
+        self.outbox_trajectory: dict[str, str] = {}
         self.cores_in_use: set[int] = set()
         self.overlaps = 0
         self._seq = 0
@@ -198,14 +199,15 @@ class CpuManager(Service):
         outcome = await self._outcome(d)
         active = self.active.pop(aid)
         self.cores_in_use -= set(active.cores)
-        result = to_result(action, outcome, active.kill_reason, self.node_id, d.cores)
         completion = Completion(
             node_id=self.node_id,
             incarnation=self.incarnation,
+            action_id=aid,
             attempt=action.attempt,
-            result=result,
+            outcome=to_outcome(outcome, active.kill_reason),
         )
         self.outbox[aid] = completion
+        self.outbox_trajectory[aid] = active.trajectory_id
         await self._send(completion)
 
     async def _outcome(self, d: Dispatch) -> ExecOutcome:
@@ -244,14 +246,15 @@ class CpuManager(Service):
         try:
             await self.bus.request(subjects.SCHED_NODES, c, Ack, timeout=COMPLETION_TIMEOUT_S)
         except TangramError as exc:
-            log.info("completion of %s not acknowledged yet: %s", c.result.action_id, exc)
+            log.info("completion of %s not acknowledged yet: %s", c.action_id, exc)
             return
-        self.outbox.pop(c.result.action_id, None)
+        self.outbox.pop(c.action_id, None)
+        self.outbox_trajectory.pop(c.action_id, None)
 
     def _resend(self, older_than_s: float) -> None:
         for c in list(self.outbox.values()):
-            finished = c.result.timings.finished_at if c.result.timings else 0.0
-            if time.time() - (finished or 0.0) >= older_than_s:
+            finished = c.outcome.finished_at or 0.0
+            if time.time() - finished >= older_than_s:
                 task = asyncio.get_running_loop().create_task(self._send(c))
                 self._runs.add(task)
                 task.add_done_callback(self._runs.discard)
@@ -265,7 +268,10 @@ class CpuManager(Service):
         ]
         running += [
             RunningAction(
-                action_id=aid, attempt=c.attempt, trajectory_id=c.result.trajectory_id, cores=()
+                action_id=aid,
+                attempt=c.attempt,
+                trajectory_id=self.outbox_trajectory.get(aid, ""),
+                cores=(),
             )
             for aid, c in self.outbox.items()
         ]

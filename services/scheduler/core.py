@@ -31,6 +31,7 @@ from services.scheduler.policy import MinPolicy, Policy, Waiting
 from tangram.contract import (
     ActionResult,
     Allocation,
+    Completion,
     ErrorKind,
     Inventory,
     NodeLeaving,
@@ -328,20 +329,19 @@ class SchedulerCore:
 
     # ------------------------------------------------------------------ completions
 
-    def complete(
-        self, node_id: str, incarnation: str, attempt: int, result: ActionResult, now: float
-    ) -> list[Effect]:
+    def complete(self, c: Completion, now: float) -> list[Effect]:
         """A node reports an attempt's end; stale or duplicate reports change nothing."""
-        run = self.running.get(result.action_id)
-        if run is None or run.node_id != node_id or run.action.attempt != attempt:
+        run = self.running.get(c.action_id)
+        if run is None or run.node_id != c.node_id or run.action.attempt != c.attempt:
             return []
-        if run.incarnation != incarnation:
+        if run.incarnation != c.incarnation:
             return []  # an agent that left or was replaced never ran this dispatch
-        del self.running[result.action_id]
-        node = self.nodes.get(node_id)
+        del self.running[c.action_id]
+        node = self.nodes.get(c.node_id)
         if node is not None and node.incarnation == run.incarnation:
             node.free |= set(run.cores)
-        result = completed(run.action, result, now=now)
+        allocation = Allocation(node_id=c.node_id, cores=run.cores)
+        result = completed(run.action, c.outcome, allocation, now=now)
         observe = getattr(self.policy, "observe", None)
         if observe is not None and result.status == "succeeded" and result.timings is not None:
             observe(run.action.spec.profile, len(run.cores), result.timings.exec_s)

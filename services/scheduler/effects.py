@@ -1,10 +1,10 @@
-"""What the scheduler core asks its shell to do, and the pure builders of terminal results."""
+"""What the scheduler core asks its shell to do, and the pure builders of terminal results:
+the only place an ``ActionResult`` is made (from a node's ``Outcome`` or the scheduler's own
+verdict)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import msgspec
 
 from tangram.contract import (
     ActionError,
@@ -12,6 +12,7 @@ from tangram.contract import (
     ActionStatus,
     Allocation,
     ErrorKind,
+    Outcome,
     Timings,
     UnifiedAction,
 )
@@ -74,12 +75,11 @@ def failed(
     started_at: float | None = None,
 ) -> ActionResult:
     """An infrastructure (or cancellation) outcome that the scheduler decides itself."""
-    status: ActionStatus = "cancelled" if kind is ErrorKind.CANCELLED else "failed"
     submitted = action.submitted_at
     queue_end = started_at if started_at is not None else now
     return ActionResult(
         action_id=action.spec.action_id,
-        status=status,
+        status=status_of(ActionError(kind=kind)),
         error=ActionError(kind=kind, message=message),
         allocation=allocation,
         timings=Timings(
@@ -95,25 +95,53 @@ def failed(
     )
 
 
-def completed(action: UnifiedAction, result: ActionResult, *, now: float) -> ActionResult:
-    """The node's result, stamped with the action's identity and end-to-end timings."""
-    t = result.timings
-    started = t.started_at if t and t.started_at is not None else now
-    finished = t.finished_at if t and t.finished_at is not None else now
+def completed(
+    action: UnifiedAction, outcome: Outcome, allocation: Allocation, *, now: float
+) -> ActionResult:
+    """The user's result from what the node saw: status and error from the one vocabulary,
+    end-to-end timings from the action's submission to ``now``."""
+    started = outcome.started_at if outcome.started_at is not None else now
+    finished = outcome.finished_at if outcome.finished_at is not None else now
     exec_s = max(0.0, finished - started)
     total = max(0.0, now - action.submitted_at)
-    timings = Timings(
-        submitted_at=action.submitted_at,
-        started_at=started,
-        finished_at=finished,
-        queue_s=max(0.0, started - action.submitted_at),
-        exec_s=exec_s,
-        overhead_s=max(0.0, total - exec_s),
-    )
-    return msgspec.structs.replace(
-        result,
-        timings=timings,
+    error = error_of(outcome)
+    return ActionResult(
+        action_id=action.spec.action_id,
+        status=status_of(error),
+        exit_code=outcome.exit_code,
+        stdout=outcome.stdout,
+        stderr=outcome.stderr,
+        stdout_truncated=outcome.stdout_truncated,
+        stderr_truncated=outcome.stderr_truncated,
+        error=error,
+        allocation=allocation,
+        timings=Timings(
+            submitted_at=action.submitted_at,
+            started_at=started,
+            finished_at=finished,
+            queue_s=max(0.0, started - action.submitted_at),
+            exec_s=exec_s,
+            overhead_s=max(0.0, total - exec_s),
+        ),
         attempt=action.attempt,
         job_id=action.spec.job_id,
         trajectory_id=action.spec.trajectory_id,
     )
+
+
+def error_of(outcome: Outcome) -> ActionError | None:
+    """The infrastructure failure or kill, else the command's own non-zero exit, else none."""
+    if outcome.failure is not None:
+        return ActionError(kind=outcome.failure, message=outcome.detail)
+    if outcome.exit_code != 0:
+        return ActionError(
+            kind=ErrorKind.COMMAND_FAILED, message=f"exited with status {outcome.exit_code}"
+        )
+    return None
+
+
+def status_of(error: ActionError | None) -> ActionStatus:
+    """``succeeded`` without an error, ``cancelled`` for a cancellation, else ``failed``."""
+    if error is None:
+        return "succeeded"
+    return "cancelled" if error.kind is ErrorKind.CANCELLED else "failed"

@@ -204,8 +204,8 @@ class Scheduler(Service):
         return Ack()
 
     async def _completion(self, c: Completion, now: float) -> Ack:
-        aid = c.result.action_id
-        effects = self.core.complete(c.node_id, c.incarnation, c.attempt, c.result, now)
+        aid = c.action_id
+        effects = self.core.complete(c, now)
         self._dirty.set()
         await self.apply(effects)
         await self._recorded([aid])  # a duplicate waits too: ack only what is committed

@@ -20,15 +20,15 @@ from services.scheduler.elastic import ElasticPolicy, TrajectoryStaticPolicy, fi
 from services.scheduler.policy import Busy, Policy, Waiting
 from services.scheduler.traces import Step
 from tangram.contract import (
-    ActionResult,
     ActionSpec,
+    Completion,
     Demand,
     DurationHint,
     ExecAction,
     Inventory,
     NodeReport,
     NumaCores,
-    Timings,
+    Outcome,
     UnifiedAction,
 )
 
@@ -125,12 +125,15 @@ class CoreEngine:
 
     def complete(self, action_id: str, now: float) -> None:
         start, t0 = self._running.pop(action_id)
-        result = ActionResult(
+        outcome = Outcome(exit_code=0, started_at=t0, finished_at=now)
+        done = Completion(
+            node_id=start.node_id,
+            incarnation=start.incarnation,
             action_id=action_id,
-            status="succeeded",
-            timings=Timings(submitted_at=0.0, started_at=t0, finished_at=now),
+            attempt=start.action.attempt,
+            outcome=outcome,
         )
-        self.core.complete(start.node_id, start.incarnation, start.action.attempt, result, now)
+        self.core.complete(done, now)
         w = self._known.pop(action_id)
         observe = getattr(self._policy, "observe", None)
         if observe is not None:

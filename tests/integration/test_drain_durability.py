@@ -172,8 +172,8 @@ async def test_a_leaving_agent_names_what_it_started_and_goes_quiet(tmp_path: Pa
     assert gone[0].started == ()  # the long action's completion was acknowledged
     assert gone[0].envs == (long.trajectory_id,)
     assert scheduler.heard[-1] is gone[0], "the agent spoke after saying goodbye"
-    done = [c.result for c in scheduler.completions]
-    assert [(r.action_id, r.status) for r in done] == [(long.action_id, "succeeded")]
+    done = [(c.action_id, c.outcome.failure, c.outcome.exit_code) for c in scheduler.completions]
+    assert done == [(long.action_id, None, 0)]
 
 
 async def test_the_launcher_outwaits_the_agents_worst_case_stop(tmp_path: Path, uid: str):
@@ -203,5 +203,5 @@ async def test_the_launcher_outwaits_the_agents_worst_case_stop(tmp_path: Path, 
         await mesh.stop()
     assert rc == 0, f"SIGKILLed after {took:.1f}s; limit {mesh.stop_limit_s('cpu_manager.0')}s"
     assert drain_s <= took < mesh.stop_limit_s("cpu_manager.0")
-    kinds = {c.result.error.kind for c in scheduler.completions if c.result.error}
+    kinds = {c.outcome.failure for c in scheduler.completions}
     assert kinds == {ErrorKind.NODE_DIED}  # it kept trying to report the death

@@ -6,14 +6,14 @@ from __future__ import annotations
 from services.gateway.formulation import Limits, formulate
 from services.scheduler.effects import StartOnNode
 from tangram.contract import (
-    ActionResult,
     ActionSpec,
+    Completion,
     ExecAction,
     Inventory,
     NodeReport,
     NumaCores,
+    Outcome,
     RunningAction,
-    Timings,
     UnifiedAction,
 )
 
@@ -54,10 +54,18 @@ def report(
     return NodeReport(node_id=node, incarnation=inc, inventory=inv, running=running, full=True)
 
 
-def done(run: StartOnNode, code: int = 0) -> ActionResult:
-    return ActionResult(
+def done(
+    run: StartOnNode,
+    node_id: str | None = None,
+    incarnation: str | None = None,
+    attempt: int | None = None,
+    code: int = 0,
+) -> Completion:
+    """A node's report that ``run`` ended with ``code`` (by default from the node it went to)."""
+    return Completion(
+        node_id=run.node_id if node_id is None else node_id,
+        incarnation=run.incarnation if incarnation is None else incarnation,
         action_id=run.action.spec.action_id,
-        status="succeeded" if code == 0 else "failed",
-        exit_code=code,
-        timings=Timings(submitted_at=0.0, started_at=1.0, finished_at=2.0),
+        attempt=run.action.attempt if attempt is None else attempt,
+        outcome=Outcome(exit_code=code, started_at=1.0, finished_at=2.0),
     )

@@ -61,7 +61,7 @@ def test_an_action_inside_its_reservation_passes_a_waiting_new_trajectory() -> N
     core = core_with("n0")
     enqueue(core, "t0", "t1", "t2")
     first = starts(core.schedule(0.0))
-    core.complete("n0", "i0", 1, done(first[0]), 1.0)
+    core.complete(done(first[0], "n0", "i0", 1), 1.0)
     core.enqueue(action("b-t0", "t0"), 1.0)  # queued behind t2, which waits for a reservation
     assert [s.action.spec.action_id for s in starts(core.schedule(1.0))] == ["b-t0"]
 
@@ -71,7 +71,7 @@ def test_closing_an_environment_frees_its_reservation() -> None:
     enqueue(core, "t0", "t1", "t2")
     first = starts(core.schedule(0.0))
     for run in first:
-        core.complete("n0", "i0", 1, done(run), 1.0)
+        core.complete(done(run, "n0", "i0", 1), 1.0)
     assert starts(core.schedule(1.0)) == []  # t0 and t1 hold their reservations while idle
     core.close_env("t0", 2.0)
     assert started(core.schedule(2.0)) == {"t2": "n0"}
@@ -81,7 +81,7 @@ def test_an_expired_environment_frees_its_reservation() -> None:
     core = core_with("n0")
     enqueue(core, "t0", "t1", "t2")
     for run in starts(core.schedule(0.0)):
-        core.complete("n0", "i0", 1, done(run), 1.0)
+        core.complete(done(run, "n0", "i0", 1), 1.0)
     core.env_expired("n0", "t1")
     assert started(core.schedule(2.0)) == {"t2": "n0"}
 
@@ -102,7 +102,7 @@ def test_a_reservation_that_started_nothing_is_not_kept() -> None:
     (big,) = starts(core.schedule(0.0))
     assert (big.action.spec.action_id, len(big.cores)) == ("big", 3)
     core.cancel("small", 0.5)  # t1 never got an environment, so it must hold nothing
-    core.complete("n0", "i0", 1, done(big), 1.0)
+    core.complete(done(big, "n0", "i0", 1), 1.0)
     core.close_env("t0", 1.0)
     enqueue(core, "t2", "t3")
     assert started(core.schedule(2.0)) == {"t2": "n0", "t3": "n0"}

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from services.cpu_manager.backend import ExecRequest
-from services.cpu_manager.outcome import error_of
+from services.cpu_manager.outcome import to_outcome
 from services.cpu_manager.process_backend import ProcessBackend, ProcessConfig
+from services.scheduler.effects import error_of
 from tangram.contract import ErrorKind
 
 
@@ -42,7 +43,7 @@ async def test_missing_program_exits_127_naming_it(backend: ProcessBackend) -> N
     assert out.failure is None
     assert out.exit_code == 127
     assert out.stderr == b"tangram-no-such-program: command not found\n"
-    err = error_of(out, None)
+    err = error_of(to_outcome(out, None))
     assert err is not None
     assert err.kind is ErrorKind.COMMAND_FAILED
 
@@ -63,7 +64,7 @@ async def test_program_without_exec_permission_exits_126(
     out = await backend.run(request((str(script),)))
     assert (out.failure, out.exit_code) == (None, 126)
     assert out.stderr == f"{script}: Permission denied\n".encode()
-    err = error_of(out, None)
+    err = error_of(to_outcome(out, None))
     assert err is not None
     assert err.kind is ErrorKind.COMMAND_FAILED
 

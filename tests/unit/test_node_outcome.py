@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from services.cpu_manager.backend import EnvFailure, ExecOutcome
-from services.cpu_manager.outcome import to_result
+from services.cpu_manager.outcome import to_outcome
 from services.gateway.formulation import Limits, formulate
-from tangram.contract import ActionSpec, ErrorKind, ExecAction
+from services.scheduler.effects import completed
+from tangram.contract import ActionResult, ActionSpec, Allocation, ErrorKind, ExecAction
 
 ACTION = formulate(
     ActionSpec(action_id="a", job_id="j", trajectory_id="t", action=ExecAction(command="x")),
@@ -16,12 +17,21 @@ ACTION = formulate(
 )
 
 
+def to_result(
+    outcome: ExecOutcome, kill: ErrorKind | None, node: str, cores: tuple[int, ...]
+) -> ActionResult:
+    """What the agent reports, as the scheduler turns it into the client's result."""
+    return completed(
+        ACTION, to_outcome(outcome, kill), Allocation(node_id=node, cores=cores), now=4.0
+    )
+
+
 def outcome(code: int | None, failure: EnvFailure | None = None) -> ExecOutcome:
     return ExecOutcome(code, b"out\xff", b"", True, False, 2.0, 3.5, failure, "why")
 
 
 def test_success_and_own_failure():
-    ok = to_result(ACTION, outcome(0), None, "n0", (3,))
+    ok = to_result(outcome(0), None, "n0", (3,))
     assert (ok.status, ok.error, ok.stdout, ok.stdout_truncated) == (
         "succeeded",
         None,
@@ -32,7 +42,7 @@ def test_success_and_own_failure():
     assert ok.allocation.cores == (3,)
     assert ok.timings is not None
     assert ok.timings.exec_s == pytest.approx(1.5)
-    bad = to_result(ACTION, outcome(2), None, "n0", (3,))
+    bad = to_result(outcome(2), None, "n0", (3,))
     assert bad.status == "failed"
     assert bad.error is not None
     assert bad.error.kind is ErrorKind.COMMAND_FAILED
@@ -51,7 +61,7 @@ def test_success_and_own_failure():
     ],
 )
 def test_infrastructure_failures_are_masked(failure: EnvFailure, kind: ErrorKind):
-    res = to_result(ACTION, outcome(None, failure), None, "n0", (0,))
+    res = to_result(outcome(None, failure), None, "n0", (0,))
     assert res.status == "failed"
     assert res.error is not None
     assert res.error.kind is kind
@@ -59,8 +69,8 @@ def test_infrastructure_failures_are_masked(failure: EnvFailure, kind: ErrorKind
 
 
 def test_a_kill_on_request_reports_its_reason():
-    res = to_result(ACTION, outcome(-9, EnvFailure.KILLED), ErrorKind.CANCELLED, "n0", (0,))
+    res = to_result(outcome(-9, EnvFailure.KILLED), ErrorKind.CANCELLED, "n0", (0,))
     assert res.status == "cancelled"
-    died = to_result(ACTION, outcome(-9, EnvFailure.KILLED), ErrorKind.NODE_DIED, "n0", (0,))
+    died = to_result(outcome(-9, EnvFailure.KILLED), ErrorKind.NODE_DIED, "n0", (0,))
     assert died.error is not None
     assert died.error.kind is ErrorKind.NODE_DIED

@@ -16,7 +16,15 @@ from services.scheduler.effects import (
     KillOnNode,
     StartOnNode,
 )
-from tangram.contract import ActionResult, ErrorKind, NodeLeaving, NodeReport, RunningAction
+from tangram.contract import (
+    ActionResult,
+    Completion,
+    ErrorKind,
+    NodeLeaving,
+    NodeReport,
+    Outcome,
+    RunningAction,
+)
 
 from .core_kit import action, done, report
 
@@ -54,7 +62,7 @@ def test_fcfs_min_grants_and_exact_cores():
     assert [s.action.spec.action_id for s in first] == ["a0", "a1"]
     assert {c for s in first for c in s.cores} == {0, 1}
     assert all(s.action.attempt == 1 for s in first)
-    effects = core.complete("n0", "i0", 1, done(first[0]), 2.0)
+    effects = core.complete(done(first[0], "n0", "i0", 1), 2.0)
     assert "a0" in finishes(effects)
     nxt = starts(core.schedule(2.0))
     assert [s.action.spec.action_id for s in nxt] == ["a2"]
@@ -67,10 +75,10 @@ def test_duplicate_enqueue_and_stale_completions_change_nothing():
     core.enqueue(action("a", "t"), 0.0)
     (run,) = starts(core.schedule(0.0))
     core.enqueue(action("a", "t"), 0.0)  # running: still a duplicate
-    assert core.complete("n0", "i0", 2, done(run), 1.0) == []  # wrong attempt
-    assert core.complete("n1", "i0", 1, done(run), 1.0) == []  # wrong node
-    assert "a" in finishes(core.complete("n0", "i0", 1, done(run), 1.0))
-    assert core.complete("n0", "i0", 1, done(run), 1.0) == []  # duplicate
+    assert core.complete(done(run, "n0", "i0", 2), 1.0) == []  # wrong attempt
+    assert core.complete(done(run, "n1", "i0", 1), 1.0) == []  # wrong node
+    assert "a" in finishes(core.complete(done(run, "n0", "i0", 1), 1.0))
+    assert core.complete(done(run, "n0", "i0", 1), 1.0) == []  # duplicate
     core.enqueue(action("a", "t"), 2.0)  # after it finished: remembered, not run again
     assert starts(core.schedule(2.0)) == []
 
@@ -93,7 +101,7 @@ def test_env_memory_is_reserved_for_the_trajectory_and_released_on_close():
     core.enqueue(action("b", "t2", mem=200), 0.0)
     (run,) = starts(core.schedule(0.0))
     assert run.action.spec.trajectory_id == "t1"
-    core.complete("n0", "i0", 1, done(run), 1.0)
+    core.complete(done(run, "n0", "i0", 1), 1.0)
     assert starts(core.schedule(1.0)) == []  # t1 still holds its memory while idle
     effects = core.close_env("t1", 2.0)
     assert DropEnvOnNode("n0", "t1") in effects
@@ -167,9 +175,9 @@ def test_a_new_trajectory_is_not_starved_by_busy_old_ones():
     runs = starts(core.schedule(0.0))
     core.enqueue(action("new", "fresh", cpus=2), 1.0)
     core.enqueue(action("c", "old"), 1.1)
-    core.complete("n0", "i0", 1, done(runs[0]), 2.0)
+    core.complete(done(runs[0], "n0", "i0", 1), 2.0)
     assert starts(core.schedule(2.0)) == []  # 'c' must not take the core 'new' waits for
-    core.complete("n0", "i0", 1, done(runs[1]), 3.0)
+    core.complete(done(runs[1], "n0", "i0", 1), 3.0)
     assert [s.action.spec.action_id for s in starts(core.schedule(3.0))] == ["new"]
 
 
@@ -243,9 +251,7 @@ def test_cores_are_never_double_allocated_and_every_grant_is_allowed(evs):
             effects += core.enqueue(action(f"a{n}-{now}", f"t{n % 5}", cpus=[1, cpus]), now)
         elif kind == "complete" and running:
             run = running.pop(sorted(running)[n % len(running)])
-            effects += core.complete(
-                run.node_id, run.incarnation, run.action.attempt, done(run), now
-            )
+            effects += core.complete(done(run), now)
         elif kind == "cancel" and core.queue:
             effects += core.cancel(sorted(core.queue)[n % len(core.queue)], now)
         elif kind == "close":
@@ -258,10 +264,13 @@ def test_cores_are_never_double_allocated_and_every_grant_is_allowed(evs):
             ]:
                 r = core.running[aid]
                 core.complete(
-                    r.node_id,
-                    r.incarnation,
-                    r.action.attempt,
-                    ActionResult(action_id=aid, status="cancelled"),
+                    Completion(
+                        node_id=r.node_id,
+                        incarnation=r.incarnation,
+                        action_id=aid,
+                        attempt=r.action.attempt,
+                        outcome=Outcome(failure=ErrorKind.CANCELLED),
+                    ),
                     now,
                 )
         effects += core.schedule(now)
@@ -287,7 +296,7 @@ def test_a_draining_node_finishes_its_work_but_gets_no_new_work():
     core.enqueue(action("c", "fresh"), 1.0)  # new trajectory: goes elsewhere
     placed = starts(core.schedule(1.0))
     assert [(s.action.spec.action_id, s.node_id != run.node_id) for s in placed] == [("c", True)]
-    assert "a" in finishes(core.complete(run.node_id, "i0", 1, done(run), 2.0))
+    assert "a" in finishes(core.complete(done(run, run.node_id, "i0", 1), 2.0))
     gone = core.node_leaving(leaving(run.node_id), 3.0)
     assert any(isinstance(e, EnvChanged) and e.status == "lost" for e in gone)
     lost = finishes(core.schedule(3.0))["b"]
@@ -314,8 +323,8 @@ def test_a_replaced_agents_late_report_does_not_kill_the_new_ones_work():
     core.enqueue(action("a", "t"), 1.0)
     (run,) = starts(core.schedule(1.0))
     assert core.node_report(report("n0", inc="old", cores=2), 1.2) == []
-    assert core.complete("n0", "old", 1, done(run), 1.3) == []  # not the one that ran it
-    assert "a" in finishes(core.complete("n0", "new", 1, done(run), 1.4))
+    assert core.complete(done(run, "n0", "old", 1), 1.3) == []  # not the one that ran it
+    assert "a" in finishes(core.complete(done(run, "n0", "new", 1), 1.4))
 
 
 def test_a_dispatch_the_leaving_agent_never_started_runs_elsewhere():
@@ -324,7 +333,7 @@ def test_a_dispatch_the_leaving_agent_never_started_runs_elsewhere():
     core.enqueue(action("new", "fresh"), 0.0)
     placed = {s.action.spec.action_id: s for s in starts(core.schedule(0.0))}
     first, late = placed["old"], placed["new"]
-    core.complete(first.node_id, first.incarnation, 1, done(first), 0.5)  # its env stays
+    core.complete(done(first, first.node_id, first.incarnation, 1), 0.5)  # its env stays
     # the agent of `late` stops taking work before the dispatch reaches it, then leaves
     envs = (first.action.spec.trajectory_id,) if first.node_id == late.node_id else ()
     gone = core.node_leaving(leaving(late.node_id, late.incarnation, started=(), envs=envs), 1.0)
