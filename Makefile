@@ -11,7 +11,9 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# torch first, pinned: 2.13.0 is the CPU wheel on these machines (any other version pulls CUDA)
 $(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,bench]'
 	touch $(STAMP)
 

@@ -1,8 +1,7 @@
 """Latency of one scheduling decision (issue 4, item 4) -> bench/results/decision_latency.json.
 
-Single pool (``ElasticPolicy.arrange``, the call the live core makes per node), the GPU chunk
-pool (``arrange_chunks``) and the k-resource Algorithm 1 (``multiresource.schedule``), over
-queues of 10..2000 actions, 2..8 resource types, up to 256 cores and 5 x 8 GPUs.
+Single pool (``ElasticPolicy.arrange``, the call the live core makes per node) and the GPU chunk
+pool (``arrange_chunks``), over queues of 10..2000 actions, up to 256 cores and 5 x 8 GPUs.
 """
 
 from __future__ import annotations
@@ -16,11 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from services.scheduler.dparrange import Task
-from services.scheduler.durations import Amdahl
-from services.scheduler.elastic import ElasticPolicy, Releases
-from services.scheduler.multiresource import Queue, schedule
-from services.scheduler.policy import Busy, Waiting
+from services.scheduler.policies.base import Running, Waiting
+from services.scheduler.policies.elastic import ElasticPolicy
 
 OUT = Path(__file__).parent / "results" / "decision_latency.json"
 REPS = 200
@@ -59,11 +55,11 @@ def cpu_queue(rng: np.random.Generator, n: int, elastic_share: float, lo: int) -
     return out
 
 
-def running(rng: np.random.Generator, units_total: int) -> list[Busy]:
+def running(rng: np.random.Generator, units_total: int) -> list[Running]:
     out, left = [], units_total
     while left > 0:
         u = min(left, int(rng.choice([1, 1, 1, 4, 16, 32])))
-        out.append(Busy(f"b{len(out)}", u, 0.0, float(rng.uniform(1, 300))))
+        out.append(Running(f"b{len(out)}", u, 0.0, float(rng.uniform(1, 300))))
         left -= u
     return out
 
@@ -137,38 +133,9 @@ def gpu_pool(rng: np.random.Generator) -> list[dict[str, object]]:
     return rows
 
 
-def multi(rng: np.random.Generator) -> list[dict[str, object]]:
-    rows: list[dict[str, object]] = []
-    for k in (2, 4, 8):
-        for n in (10, 100, 2000):
-            mins = rng.integers(0, 2, size=(n, k)).astype(np.int64)
-            key = rng.integers(0, k, size=n).astype(np.int64)
-            tasks, elastic = [], []
-            for i in range(n):
-                lo = max(1, int(mins[i, key[i]]))
-                mins[i, key[i]] = lo
-                choices = np.arange(lo, 33, dtype=np.int64)
-                tasks.append(
-                    Task(choices, Amdahl(float(rng.lognormal(4, 1)), 0.95).durations(choices))
-                )
-                elastic.append(True)
-            q = Queue(mins, key, tasks, elastic)
-            free = np.full(k, 256, dtype=np.int64)
-            rel = [Releases(tuple(sorted(rng.uniform(1, 100, 50).tolist())), (1,) * 50)] * k
-            rows.append(
-                {
-                    "pool": f"multi-{k}-types",
-                    "queue": n,
-                    "capacity_per_type": 256,
-                    **timed(functools.partial(schedule, q, free, 0.0, rel), reps=100),
-                }
-            )
-    return rows
-
-
 def main() -> None:
     rng = np.random.default_rng(0)
-    rows = single_pool(rng) + discrete_pool(rng) + gpu_pool(rng) + multi(rng)
+    rows = single_pool(rng) + discrete_pool(rng) + gpu_pool(rng)
     target = [r for r in rows if r["pool"] == "cpu" and r["cores"] == 256 and r["candidates"] == 64]
     out = {
         "machine": f"{platform.processor() or platform.machine()}, python "

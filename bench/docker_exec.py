@@ -32,9 +32,9 @@ sys.path[:0] = [str(REPO), str(REPO / "tests" / "integration" / "docker")]
 
 from engine import LocalDockerd, build_test_image, test_mounts  # noqa: E402
 
-from services.cpu_manager.backend import ExecRequest  # noqa: E402
-from services.cpu_manager.docker_backend import DockerBackend  # noqa: E402
-from services.cpu_manager.docker_config import DockerConfig  # noqa: E402
+from services.cpu_manager.backend_api import ExecRequest  # noqa: E402
+from services.cpu_manager.docker.backend import DockerBackend  # noqa: E402
+from services.cpu_manager.docker.config import DockerConfig  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "docker_exec.json"
 CPUS = sorted(os.sched_getaffinity(0))
@@ -121,10 +121,10 @@ def config(host: str, image: str, root: Path, **kw: Any) -> DockerConfig:
         "root": str(root / uuid.uuid4().hex[:6]),
         "docker_host": host,
         "node_id": f"bench{uuid.uuid4().hex[:6]}",
-        "default_image": image,
+        "image": image,
         "mounts": test_mounts(),
         "warm_pool": 0,
-        "memory_mb": 256,
+        "pool_memory_mb": 256,
     }
     return DockerConfig(**(base | kw))
 
@@ -142,7 +142,7 @@ async def with_backend(cfg: DockerConfig, body: Callable[[DockerBackend], Awaita
 async def process_case(root: Path, n: int) -> list[float] | None:
     """(c) the process backend, if the lead's module is there."""
     try:
-        from services.cpu_manager.process_backend import ProcessBackend, ProcessConfig
+        from services.cpu_manager.process.backend import ProcessBackend, ProcessConfig
     except ImportError:
         return None
     backend = ProcessBackend(ProcessConfig(root=root / "process"))

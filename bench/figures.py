@@ -3,7 +3,7 @@
 Fig. 9: average ACT of elastic against fixed DoP 4 and 16 over batch sizes on 1,280 cores in
 5 nodes. Fig. 8(a): elastic against the trajectory-static baselines over batch sizes, and at
 batch 1,280 over core counts: ``kubernetes`` is the paper's own (§6.1: a pod per trajectory
-requesting 0.5 core with a 4-core limit, cores shared by the kernel; ``simkube.py``), and
+requesting 0.5 core with a 4-core limit, cores shared by the kernel; ``sim/kube.py``), and
 ``trajectory-static:1`` a pod that holds one dedicated core for the trajectory's life. The
 metric is the paper's §6.3 one: total ACT per trajectory, averaged over trajectories.
 Workload: ``traces.ai_coding`` with its defaults (3-8 tool turns per trajectory instead of
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from services.scheduler.simulator import Cluster, simulate
-from services.scheduler.traces import CodingConfig, Trace, ai_coding, busy_fraction
+from services.scheduler.sim.simulator import Cluster, simulate
+from services.scheduler.sim.traces import CodingConfig, Trace, ai_coding, busy_fraction
 
 OUT = Path(__file__).parent / "results"
 FIG9_BATCHES = (128, 256, 512, 1024, 1280, 1536)
@@ -121,7 +121,7 @@ def main() -> None:
         if batch == 1280 and policy in ("elastic", *STATIC):
             fig8_cores.setdefault(str(nodes * 256), {})[policy] = act
     note = (
-        "simulated AI-coding trace (services/scheduler/traces.py ai_coding defaults, seed 0);"
+        "simulated AI-coding trace (services/scheduler/sim/traces.py ai_coding defaults, seed 0);"
         " metric: mean total ACT per trajectory in seconds"
     )
     (OUT / "fig9.json").write_text(

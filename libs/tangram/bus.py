@@ -1,20 +1,26 @@
-"""The message bus: one NATS connection, one codec, request/reply with timeouts, and the
-middleware every hop goes through (decode-or-error-reply, bounded concurrency, trace context).
+"""The message bus: typed endpoints served and requested over one connection, and the middleware
+every hop goes through (decode-or-error-reply, bounded concurrency, trace context).
 
-Handlers only ever see valid, decoded Structs. A message that does not decode gets an
-:class:`~tangram.contract.ErrorReply` naming the problem; a handler's
+Handlers only ever see valid, decoded Structs. A message that does not decode (too large,
+nested too deep, malformed, invalid, or anything else the decoder raises) gets an
+:class:`~tangram.contract.ErrorReply` ``invalid_request`` naming the problem; a handler's
 :class:`~tangram.errors.TangramError` becomes a typed error reply; anything else is logged as a
-bug and answered with ``internal``. The service keeps serving in every case.
+bug and answered with ``internal``. The service keeps serving in every case. A reply that does
+not decode is raised to the requester as a :class:`~tangram.errors.RemoteError`.
+
+:class:`BaseBus` holds all of that; a transport supplies four primitives (subscribe, send, ask,
+close). :class:`Bus` is the NATS transport; :class:`tangram.membus.MemoryBus` is an in-process
+one for fast tests of service shells.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Final, TypeVar, overload
 
-import msgspec
 import nats
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -24,16 +30,130 @@ from opentelemetry import trace
 
 from tangram import telemetry
 from tangram.contract import MAX_MESSAGE_BYTES, ErrorReply, codec, encode
-from tangram.errors import Busy, InvalidRequest, TangramError, Unavailable, from_reply
+from tangram.errors import Busy, InvalidRequest, RemoteError, TangramError, Unavailable, from_reply
+from tangram.subjects import Endpoint
 
 log = logging.getLogger(__name__)
 
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
 Handler = Callable[[Any, Msg], Awaitable[Any]]
+Callback = Callable[[Msg], Awaitable[None]]
+Unsubscribe = Callable[[], Awaitable[None]]
+
+# The contract nests ~6 deep; msgspec recurses per level and raises RecursionError near the
+# interpreter's limit (~1,000), even while skipping an unknown field. Refuse far before that.
+MAX_NESTING: Final = 32
+DEFAULT_TIMEOUT_S: Final = 5.0
+
+# msgpack type bytes that open a container (fixmap, fixarray, array16/32, map16/32).
+_OPENERS: Final = bytes(range(0x80, 0xA0)) + b"\xdc\xdd\xde\xdf"
+_NOT_OPENERS: Final = bytes(b for b in range(256) if b not in _OPENERS)
+_COUNT_BELOW: Final = 16 * 1024  # bigger messages are walked: counting would cost more
+# Bytes after the type byte for fixed-size scalars, and the width of the length prefix of
+# str/bin/ext (ext carries one more byte: its type code).
+_FIXED: Final = {0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2}
+_FIXED.update({0xD2: 4, 0xD3: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17})
+_SIZED: Final = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC7: 1, 0xC8: 2, 0xC9: 4}
+_WIDE: Final = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}  # (len width, per item)
+
+
+def too_deep(data: bytes, limit: int = MAX_NESTING) -> bool:
+    """True when the msgpack ``data`` nests containers more than ``limit`` deep.
+
+    Depth never exceeds the number of container type bytes, which one C-speed ``translate``
+    counts: a typical message is cleared by that alone (~0.3 µs). One with more such bytes (they
+    also occur inside strings and integers), or a large one (large for its strings, so few
+    items), is walked value by value, skipping payloads. Malformed data is not judged here (the
+    decoder names it)."""
+    if len(data) <= _COUNT_BELOW and len(data.translate(None, _NOT_OPENERS)) <= limit:
+        return False
+    return _deeper_than(data, limit)
+
+
+def _deeper_than(data: bytes, limit: int) -> bool:
+    """Walk the values of ``data``, skipping payloads by their length; stop past ``limit``, at
+    the end of the first value, or at malformed data."""
+    pending: list[int] = []  # items still to read in each open container
+    pos, end = 0, len(data)
+    while pos < end:
+        items, pos = _header(data, data[pos], pos + 1)
+        while pending and pending[-1] == 0:
+            pending.pop()
+        if pending:
+            pending[-1] -= 1
+        if items < 0:
+            return False
+        if items:
+            pending.append(items)
+            if len(pending) > limit:
+                return True
+        if not pending:
+            return False
+    return False
+
+
+def _header(data: bytes, b: int, pos: int) -> tuple[int, int]:
+    """(items the value at ``b`` opens, position after its header and any payload); items is -1
+    for a byte no msgpack value starts with."""
+    if b <= 0x7F or b >= 0xE0 or b in (0xC0, 0xC2, 0xC3):
+        return 0, pos
+    if b <= 0x8F:
+        return 2 * (b & 0x0F), pos
+    if b <= 0x9F:
+        return b & 0x0F, pos
+    if b <= 0xBF:
+        return 0, pos + (b & 0x1F)
+    if b in _FIXED:
+        return 0, pos + _FIXED[b]
+    if b in _SIZED:
+        width = _SIZED[b]
+        extra = 1 if b in (0xC7, 0xC8, 0xC9) else 0
+        return 0, pos + width + extra + int.from_bytes(data[pos : pos + width], "big")
+    if b in _WIDE:
+        width, per = _WIDE[b]
+        return per * int.from_bytes(data[pos : pos + width], "big"), pos + width
+    return -1, pos
+
+
+def decode_request(data: bytes, typ: Any) -> Any:
+    """The decoded request, or an ``invalid_request`` :class:`ErrorReply` naming why not.
+
+    Every exception of the decoder counts (a ``RecursionError`` too): no payload may leave a
+    request unanswered."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        return InvalidRequest(
+            f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit"
+        ).to_reply()
+    if too_deep(data):
+        return InvalidRequest(
+            f"malformed message: nested deeper than {MAX_NESTING} levels"
+        ).to_reply()
+    try:
+        return codec.decode(data, typ)
+    except Exception as exc:
+        return InvalidRequest(describe_decode_error(exc)).to_reply()
 
 
 def describe_decode_error(exc: Exception) -> str:
     """A one-line reason for a payload that did not decode (msgspec names the bad field)."""
+    if isinstance(exc, RecursionError):
+        return "malformed message: nested too deep to decode"
     return f"malformed message: {exc}"
+
+
+def decode_reply(subject: str, data: bytes, reply_type: Any) -> Any:
+    """The decoded reply; an :class:`ErrorReply` is raised as its error, and a reply that does
+    not decode as a :class:`RemoteError` ``invalid_reply``."""
+    try:
+        if too_deep(data):
+            raise ValueError(f"nested deeper than {MAX_NESTING} levels")
+        reply = codec.decode(data, reply_type | ErrorReply)
+    except Exception as exc:
+        raise RemoteError("invalid_reply", f"undecodable reply on {subject}: {exc}") from exc
+    if isinstance(reply, ErrorReply):
+        raise from_reply(reply)
+    return reply
 
 
 class Server:
@@ -44,7 +164,14 @@ class Server:
     """
 
     def __init__(
-        self, bus: Bus, subject: str, typ: Any, handler: Handler, *, queue: str, max_in_flight: int
+        self,
+        bus: BaseBus,
+        subject: str,
+        typ: Any,
+        handler: Handler,
+        *,
+        queue: str,
+        max_in_flight: int,
     ) -> None:
         self._bus = bus
         self.subject = subject
@@ -53,23 +180,18 @@ class Server:
         self._queue = queue
         self._max = max_in_flight
         self._tasks: set[asyncio.Task[None]] = set()
-        self._sub: Subscription | None = None
+        self._unsubscribe: Unsubscribe | None = None
         self.served = 0
         self.rejected = 0
 
     async def start(self) -> None:
-        self._sub = await self._bus.nc.subscribe(
-            self.subject, queue=self._queue, cb=self._on_msg, pending_msgs_limit=1_000_000
-        )
+        self._unsubscribe = await self._bus._subscribe(self.subject, self._queue, self._on_msg)
 
     async def stop(self, grace_s: float) -> None:
         """Stop intake, let in-flight handlers finish within ``grace_s``, cancel the rest."""
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except nats.errors.Error:
-                pass
-            self._sub = None
+        if self._unsubscribe is not None:
+            await self._unsubscribe()
+            self._unsubscribe = None
         if self._tasks:
             _done, pending = await asyncio.wait(set(self._tasks), timeout=grace_s)
             for task in pending:
@@ -96,14 +218,9 @@ class Server:
             await self._bus.reply(msg, reply)
 
     async def _dispatch(self, msg: Msg) -> Any:
-        if len(msg.data) > MAX_MESSAGE_BYTES:
-            return InvalidRequest(
-                f"message of {len(msg.data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit"
-            ).to_reply()
-        try:
-            decoded = codec.decode(msg.data, self._typ)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            return InvalidRequest(describe_decode_error(exc)).to_reply()
+        decoded = decode_request(msg.data, self._typ)
+        if isinstance(decoded, ErrorReply):
+            return decoded
         ctx = telemetry.extract(msg.headers)
         with telemetry.tracer().start_as_current_span(
             f"{self.subject} {type(decoded).__name__}", context=ctx, kind=trace.SpanKind.CONSUMER
@@ -122,13 +239,141 @@ class Server:
             return ErrorReply(code="internal", message="internal error; see the service log")
 
 
-class Bus:
-    """A NATS connection with the contract codec and tracing middleware."""
+def _subject(target: str | Endpoint[Any, Any]) -> str:
+    return target.subject if isinstance(target, Endpoint) else target
 
-    def __init__(self, nc: NATS, name: str) -> None:
-        self.nc = nc
+
+class BaseBus(abc.ABC):
+    """Serve, publish and request typed endpoints; a transport implements the primitives."""
+
+    def __init__(self, name: str) -> None:
         self.name = name
         self._servers: list[Server] = []
+
+    # ------------------------------------------------------------------ transport primitives
+
+    @abc.abstractmethod
+    async def _subscribe(self, subject: str, queue: str, cb: Callback) -> Unsubscribe:
+        """Deliver each message on ``subject`` to ``cb`` (one at a time, in order)."""
+
+    @abc.abstractmethod
+    async def _send(self, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
+        """Publish raw bytes."""
+
+    @abc.abstractmethod
+    async def _ask(
+        self, subject: str, data: bytes, headers: dict[str, str] | None, timeout: float
+    ) -> bytes:
+        """The raw reply to a request; raises :class:`Unavailable` on no responder or timeout."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Flush and close; idempotent."""
+
+    # ------------------------------------------------------------------ serving
+
+    @overload
+    def serve(
+        self,
+        endpoint: Endpoint[Req, Rep],
+        handler: Callable[[Req, Msg], Awaitable[Rep | None]],
+        /,
+        *,
+        queue: str | None = None,
+        max_in_flight: int = 1024,
+    ) -> Server: ...
+
+    @overload
+    def serve(
+        self,
+        subject: str | Endpoint[Any, Any],
+        typ: Any,
+        handler: Handler,
+        /,
+        *,
+        queue: str | None = None,
+        max_in_flight: int = 1024,
+    ) -> Server: ...
+
+    def serve(
+        self, target: Any, *args: Any, queue: str | None = None, max_in_flight: int = 1024
+    ) -> Server:
+        """Register a handler for an endpoint (started by :meth:`start`); the endpoint's queue
+        group unless ``queue`` is given. (The ``(subject, type, handler)`` form is the old one.)"""
+        if len(args) == 1:
+            typ, handler = target.request, args[0]
+        else:
+            typ, handler = args
+        if queue is None:
+            queue = target.queue if isinstance(target, Endpoint) else ""
+        server = Server(
+            self, _subject(target), typ, handler, queue=queue, max_in_flight=max_in_flight
+        )
+        self._servers.append(server)
+        return server
+
+    async def start(self) -> None:
+        for server in self._servers:
+            await server.start()
+
+    async def stop_serving(self, grace_s: float) -> None:
+        await asyncio.gather(*(s.stop(grace_s) for s in self._servers))
+        self._servers.clear()
+
+    async def reply(self, msg: Msg, reply: Any) -> None:
+        if msg.reply:
+            try:
+                await self._send(msg.reply, encode(reply), None)
+            except (TangramError, nats.errors.Error) as exc:
+                log.warning("could not reply on %s: %s", msg.reply, exc)
+
+    # ------------------------------------------------------------------ sending
+
+    @overload
+    async def publish(
+        self, endpoint: Endpoint[Req, Any], msg: Req, /, *, traceparent: str = ""
+    ) -> None: ...
+
+    @overload
+    async def publish(self, subject: str, msg: Any, /, *, traceparent: str = "") -> None: ...
+
+    async def publish(self, target: Any, msg: Any, /, *, traceparent: str = "") -> None:
+        """Publish a contract message with the current (or given) trace context."""
+        await self._send(_subject(target), encode(msg), _headers(traceparent) or None)
+
+    @overload
+    async def request(
+        self, endpoint: Endpoint[Req, Rep], msg: Req, /, *, timeout: float = DEFAULT_TIMEOUT_S
+    ) -> Rep: ...
+
+    @overload
+    async def request(
+        self,
+        subject: str | Endpoint[Any, Any],
+        msg: Any,
+        reply_type: Any,
+        /,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> Any: ...
+
+    async def request(
+        self, target: Any, msg: Any, *reply_type: Any, timeout: float = DEFAULT_TIMEOUT_S
+    ) -> Any:
+        """Send a request and decode the reply; an :class:`ErrorReply` is raised as its error.
+        (The ``(subject, msg, reply_type)`` form is the old one.)"""
+        typ = reply_type[0] if reply_type else target.reply
+        subject = _subject(target)
+        raw = await self._ask(subject, encode(msg), _headers("") or None, timeout)
+        return decode_reply(subject, raw, typ)
+
+
+class Bus(BaseBus):
+    """The NATS transport: one connection with the contract codec and tracing middleware."""
+
+    def __init__(self, nc: NATS, name: str) -> None:
+        super().__init__(name)
+        self.nc = nc
 
     @classmethod
     async def connect(
@@ -169,65 +414,49 @@ class Bus:
             reconnected_cb=_log_event(f"{name}: reconnected to NATS"),
         )
 
-    def serve(
-        self,
-        subject: str,
-        typ: Any,
-        handler: Handler,
-        *,
-        queue: str = "",
-        max_in_flight: int = 1024,
-    ) -> Server:
-        """Register a handler for ``subject`` (started by :meth:`start`)."""
-        server = Server(self, subject, typ, handler, queue=queue, max_in_flight=max_in_flight)
-        self._servers.append(server)
-        return server
-
     async def start(self) -> None:
-        for server in self._servers:
-            await server.start()
-
-    async def publish(self, subject: str, msg: Any, *, traceparent: str = "") -> None:
-        """Publish a contract message with the current (or given) trace context."""
-        headers = _headers(traceparent)
-        await self.nc.publish(subject, encode(msg), headers=headers or None)
-
-    async def request(self, subject: str, msg: Any, reply_type: Any, *, timeout: float) -> Any:
-        """Send a request and decode the reply; an :class:`ErrorReply` is raised as its error."""
+        """Start serving; on return the server knows every subscription (a request sent next,
+        from any connection, finds its responder)."""
+        await super().start()
         try:
-            raw = await self.nc.request(
-                subject, encode(msg), timeout=timeout, headers=_headers("") or None
-            )
+            await self.nc.flush(timeout=5)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise Unavailable(f"NATS did not confirm the subscriptions: {exc}") from exc
+
+    async def _subscribe(self, subject: str, queue: str, cb: Callback) -> Unsubscribe:
+        sub = await self.nc.subscribe(subject, queue=queue, cb=cb, pending_msgs_limit=1_000_000)
+        return lambda: _unsubscribe(sub)
+
+    async def _send(self, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
+        await self.nc.publish(subject, data, headers=headers)
+
+    async def _ask(
+        self, subject: str, data: bytes, headers: dict[str, str] | None, timeout: float
+    ) -> bytes:
+        try:
+            raw = await self.nc.request(subject, data, timeout=timeout, headers=headers)
         except nats.errors.NoRespondersError as exc:
             raise Unavailable(f"no service is listening on {subject}") from exc
         except (TimeoutError, nats.errors.TimeoutError) as exc:
             raise Unavailable(f"no reply on {subject} within {timeout:.3g}s") from exc
         except nats.errors.ConnectionClosedError as exc:
             raise Unavailable("the NATS connection is closed") from exc
-        reply = codec.decode(raw.data, reply_type | ErrorReply)
-        if isinstance(reply, ErrorReply):
-            raise from_reply(reply)
-        return reply
-
-    async def reply(self, msg: Msg, reply: Any) -> None:
-        if msg.reply:
-            try:
-                await self.nc.publish(msg.reply, encode(reply))
-            except nats.errors.Error as exc:
-                log.warning("could not reply on %s: %s", msg.reply, exc)
-
-    async def stop_serving(self, grace_s: float) -> None:
-        await asyncio.gather(*(s.stop(grace_s) for s in self._servers))
-        self._servers.clear()
+        return raw.data
 
     async def close(self) -> None:
-        """Flush and close; idempotent."""
         if self.nc.is_closed:
             return
         try:
             await asyncio.wait_for(self.nc.drain(), timeout=5)
         except (TimeoutError, nats.errors.Error):
             await self.nc.close()
+
+
+async def _unsubscribe(sub: Subscription) -> None:
+    try:
+        await sub.unsubscribe()
+    except nats.errors.Error:
+        pass
 
 
 def _headers(traceparent: str) -> dict[str, str]:

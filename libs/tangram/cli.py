@@ -43,7 +43,7 @@ def _mesh_opts(args: argparse.Namespace) -> Any:
 async def _cpu_backend(args: argparse.Namespace) -> tuple[str, str]:
     """The CPU backend the node agents will run and the one line that says which and why.
     On a Docker engine without the default sandbox image, that image is built first."""
-    from services.cpu_manager.backends import choose
+    from services.cpu_manager.choice import choose
     from services.cpu_manager.config import load_own
 
     cfg = load_own({"backend": args.backend, "state_dir": args.state_dir})
@@ -90,28 +90,24 @@ def _status_lines(mesh: Any) -> None:
 
 async def cmd_service(args: argparse.Namespace) -> int:
     overrides = {"nats_url": args.nats, "postgres_dsn": args.postgres}
-    service = _build_service(args.name, overrides)
-    await runtime.serve_forever(service, 10.0)
+    await runtime.run_service(args.name, _builder(args.name), overrides)
     return 0
 
 
-def _build_service(name: str, overrides: dict[str, Any]) -> runtime.Service:
+def _builder(name: str) -> runtime.Build:
     """Import one service lazily (libs never import services at module level)."""
     if name == "gateway":
-        from services.gateway import config as gw_config
-        from services.gateway.service import Gateway
+        from services.gateway.service import build as gateway
 
-        return Gateway(*gw_config.load(overrides))
+        return gateway
     if name == "scheduler":
-        from services.scheduler import config as sc_config
-        from services.scheduler.service import Scheduler
+        from services.scheduler.service import build as scheduler
 
-        return Scheduler(*sc_config.load(overrides))
+        return scheduler
     if name == "cpu_manager":
-        from services.cpu_manager import config as cpu_config
-        from services.cpu_manager.service import CpuManager
+        from services.cpu_manager.service import build as cpu_manager
 
-        return CpuManager(*cpu_config.load(overrides))
+        return cpu_manager
     raise SystemExit(f"unknown service {name!r}; known: gateway, scheduler, cpu_manager")
 
 
@@ -154,11 +150,11 @@ async def cmd_exec(args: argparse.Namespace) -> int:
 
 
 async def cmd_sandbox_image(args: argparse.Namespace) -> int:
-    from services.cpu_manager import sandbox_image
     from services.cpu_manager.config import load_own
-    from services.cpu_manager.docker_engine import DockerFailure
+    from services.cpu_manager.docker import sandbox_image
+    from services.cpu_manager.docker.engine import DockerFailure
 
-    host = args.docker_host if args.docker_host is not None else load_own().docker_host
+    host = args.docker_host if args.docker_host is not None else load_own().docker.docker_host
     try:
         version = await asyncio.to_thread(sandbox_image.build, host, args.image)
     except DockerFailure as exc:
@@ -176,7 +172,7 @@ async def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(argv: list[str]) -> int:
-    from services.scheduler.simulator import main as simulate
+    from services.scheduler.sim.simulator import main as simulate
 
     return int(simulate(argv) or 0)
 
@@ -197,10 +193,10 @@ def _mesh_args(p: argparse.ArgumentParser) -> None:
 
 def _policy(spec: str) -> str:
     """Refuse a policy the scheduler would not start with, before anything starts."""
-    from services.scheduler.policy import make_policy
+    from services.scheduler.policies.spec import parse_policy
 
     try:
-        make_policy(spec)
+        parse_policy(spec)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
     return spec

@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import msgspec
+from msgspec import UNSET, UnsetType
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
@@ -32,17 +33,18 @@ from tangram.contract import (
     CloseEnv,
     DurationHint,
     ExecAction,
-    GatewayReply,
     GetResult,
     Submit,
     codec,
 )
-from tangram.errors import ResultTimeout, TangramError
+from tangram.errors import Busy, RemoteError, ResultTimeout, TangramError, Unavailable
 
 T = TypeVar("T")
 
-GATEWAY_TIMEOUT_S = 10.0  # one gateway call, retries of busy/unavailable replies included
-RETRY_FIRST_S, RETRY_MAX_S = 0.05, 1.0  # backoff between those retries
+GATEWAY_TIMEOUT_S = 30.0  # one gateway call, retries included: rides out a broker restart
+ATTEMPT_FIRST_S, ATTEMPT_MAX_S = 2.0, 8.0  # one try's wait for a reply (a reply lost in a
+# broker outage is retried rather than awaited for the whole budget); doubles per try
+RETRY_FIRST_S, RETRY_MAX_S = 0.05, 1.0  # backoff between tries
 EARLY_LIMIT = 10_000  # pushed results nobody waits for yet (the gateway keeps them all anyway)
 RECHECK_S = 30.0  # ask the gateway for a result not pushed within this (and on reconnect)
 POLL_MIN_S, POLL_MAX_S = 0.05, 1.0  # polling for results of other clients' actions
@@ -97,17 +99,17 @@ class Client:
         *,
         trajectory_id: str,
         job_id: str,
-        cpus: int | tuple[int, int] = 1,
-        timeout_s: float = 600.0,
+        cpus: int | tuple[int, int] | UnsetType = UNSET,
+        timeout_s: float | UnsetType = UNSET,
         action_id: str | None = None,
-        memory_mb: int = 512,
-        env: dict[str, str] | None = None,
-        queue_timeout_s: float | None = None,
-        profile: str = "",
+        memory_mb: int | UnsetType = UNSET,
+        env: dict[str, str] | UnsetType = UNSET,
+        queue_timeout_s: float | UnsetType | None = UNSET,
+        profile: str | UnsetType = UNSET,
         parallel_fraction: float | None = None,
-        output_cap_bytes: int = 64 * 1024,
-        image: str = "",
-        network: bool = False,
+        output_cap_bytes: int | UnsetType = UNSET,
+        image: str | UnsetType = UNSET,
+        network: bool | UnsetType = UNSET,
         wait_s: float | None = None,
     ) -> ActionResult:
         """Run a command in the trajectory's environment and return its result.
@@ -115,27 +117,32 @@ class Client:
         A ``str`` runs under ``sh -c``; a list is an argv. ``cpus`` is a core count or an
         inclusive ``(min, max)`` range for elastic commands (``{dop}`` becomes the grant).
         ``image`` and ``network`` shape the trajectory's environment when its first action
-        creates it (Docker backend).
+        creates it (Docker backend). What is left out takes the contract's default
+        (:class:`~tangram.contract.ActionSpec`, :class:`~tangram.contract.ExecAction`).
         """
-        spec = ActionSpec(
-            action_id=action_id or self.new_action_id(),
-            job_id=job_id,
-            trajectory_id=trajectory_id,
-            action=ExecAction(
+        action = ExecAction(
+            **_given(
                 command=command if isinstance(command, str) else list(command),
-                env=env or {},
+                env=env,
                 output_cap_bytes=output_cap_bytes,
-            ),
-            cpus=cpus if isinstance(cpus, int) else list(cpus),
-            memory_mb=memory_mb,
-            timeout_s=timeout_s,
-            queue_timeout_s=queue_timeout_s,
-            profile=profile,
-            image=image,
-            network=network,
-            duration=DurationHint(parallel_fraction=parallel_fraction)
-            if parallel_fraction is not None
-            else None,
+            )
+        )
+        hint = DurationHint(parallel_fraction=parallel_fraction)
+        spec = ActionSpec(
+            **_given(
+                action_id=action_id or self.new_action_id(),
+                job_id=job_id,
+                trajectory_id=trajectory_id,
+                action=action,
+                cpus=list(cpus) if isinstance(cpus, tuple) else cpus,
+                memory_mb=memory_mb,
+                timeout_s=timeout_s,
+                queue_timeout_s=queue_timeout_s,
+                profile=profile,
+                image=image,
+                network=network,
+                duration=hint if parallel_fraction is not None else UNSET,
+            )
         )
         return await self.run(spec, wait_s=wait_s)
 
@@ -191,22 +198,28 @@ class Client:
         return reply
 
     async def _gateway(self, req: Any) -> Any:
-        """Ask the gateway. What the error tree marks retryable (busy, unreachable, a server's
-        ``unavailable`` reply) is retried with backoff until ``request_timeout`` is spent;
-        every request is idempotent (submits by ``action_id``)."""
-        deadline = time.monotonic() + self.request_timeout
-        delay = RETRY_FIRST_S
+        """Ask the gateway. What the error tree marks retryable (busy, unreachable, no reply,
+        a server's ``unavailable`` reply) is retried with backoff until ``request_timeout`` is
+        spent; every request is idempotent (submits by ``action_id``), so a try whose reply
+        was lost (a broker restart) is simply made again."""
+        start = time.monotonic()
+        deadline = start + self.request_timeout
+        delay, attempt_s, tries = RETRY_FIRST_S, ATTEMPT_FIRST_S, 0
         while True:
+            tries += 1
             try:
                 return await self.bus.request(
-                    subjects.GATEWAY, req, GatewayReply, timeout=_left(deadline)
+                    subjects.GATEWAY, req, timeout=min(attempt_s, _left(deadline))
                 )
             except TangramError as exc:
                 pause = exc.retry_after_s or delay
-                if not exc.retryable or time.monotonic() + pause >= deadline:
+                if not exc.retryable:
                     raise
+                if time.monotonic() + pause >= deadline:
+                    raise _gave_up(exc, tries, time.monotonic() - start) from exc
             await asyncio.sleep(pause)
             delay = min(RETRY_MAX_S, delay * 2)
+            attempt_s = min(ATTEMPT_MAX_S, attempt_s * 2)
 
     def _waiter(self, action_id: str) -> asyncio.Future[ActionResult]:
         fut = self._waiters.get(action_id)
@@ -289,6 +302,23 @@ async def _wait(fut: asyncio.Future[ActionResult], timeout: float) -> bool:
         return True
     done, _ = await asyncio.wait([fut], timeout=timeout)
     return bool(done)
+
+
+def _given(**fields: Any) -> dict[str, Any]:
+    """The fields a caller set: the rest take the contract's defaults."""
+    return {k: v for k, v in fields.items() if v is not UNSET}
+
+
+def _gave_up(exc: TangramError, tries: int, took_s: float) -> TangramError:
+    """The last retryable error (same type), saying how long the client kept trying."""
+    message = f"{exc.message} (gave up after {tries} tries over {took_s:.1f}s)"
+    match exc:
+        case Busy():
+            return Busy(message, retry_after_s=exc.retry_after_s or 0.05)
+        case RemoteError():
+            return RemoteError(exc.code, message, retryable=True, retry_after_s=exc.retry_after_s)
+        case _:
+            return Unavailable(message, retry_after_s=exc.retry_after_s)
 
 
 def _left(deadline: float) -> float:

@@ -139,9 +139,9 @@ class Mesh:
         await self.wait_ready(timeout_s)
 
     async def status(self, bus: Bus, timeout: float = 2.0) -> SchedulerStatus:
-        st: SchedulerStatus = await bus.request(
-            subjects.SCHED_ACTIONS, StatusQuery(), SchedulerStatus, timeout=timeout
-        )
+        st = await bus.request(subjects.SCHED_ACTIONS, StatusQuery(), timeout=timeout)
+        if not isinstance(st, SchedulerStatus):
+            raise Unavailable(f"the scheduler answered a status query with {type(st).__name__}")
         return st
 
     async def wait_ready(self, timeout_s: float = 60.0) -> SchedulerStatus:
@@ -161,13 +161,11 @@ class Mesh:
         raise Unavailable(f"mesh not ready after {timeout_s}s; logs in {self.opts.state_dir}/logs")
 
     async def _gateway_answers(self, bus: Bus) -> bool:
-        from tangram.contract import GatewayReply, GetResult
+        from tangram.contract import GetResult
         from tangram.errors import NotFound
 
         try:
-            await bus.request(
-                subjects.GATEWAY, GetResult(action_id="readiness-probe"), GatewayReply, timeout=1.0
-            )
+            await bus.request(subjects.GATEWAY, GetResult(action_id="readiness-probe"), timeout=1.0)
         except NotFound:
             return True
         except TangramError:

@@ -9,14 +9,20 @@ error, if any.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import signal
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tangram.config import MeshConfig
+
+Overrides = Mapping[str, Any] | None
+# How a service is built: load its config (env vars, then ``overrides``), open what it needs
+# (bus, pool) on ``stack`` -- which closes them after the service has stopped -- and construct it.
+Build = Callable[[contextlib.AsyncExitStack, Overrides], Awaitable[tuple["MeshConfig", "Service"]]]
 
 log = logging.getLogger(__name__)
 
@@ -128,20 +134,22 @@ async def serve_forever(service: Service, grace_s: float) -> None:
     await service.run(stop, grace_s)
 
 
-def main(name: str, build: Callable[[], tuple[MeshConfig, Service]]) -> None:
-    """Entry point of ``python -m services.NAME``: logging, tracing, uvloop, serve until told."""
-    import uvloop
-
+async def run_service(name: str, build: Build, overrides: Overrides = None) -> None:
+    """Build one service, serve it until SIGTERM/SIGINT, then close what it was given."""
     from tangram import telemetry
 
-    setup_logging()
-
-    async def run() -> None:
-        mesh, service = build()
+    async with contextlib.AsyncExitStack() as stack:
+        mesh, service = await build(stack, overrides)
         telemetry.setup(f"tangram-{name}", mesh.otel_endpoint)
         try:
             await serve_forever(service, mesh.drain_s)
         finally:
             telemetry.shutdown()
 
-    uvloop.run(run())
+
+def main(name: str, build: Build) -> None:
+    """Entry point of ``python -m services.NAME``: logging, uvloop, serve until told."""
+    import uvloop
+
+    setup_logging()
+    uvloop.run(run_service(name, build))

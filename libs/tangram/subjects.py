@@ -1,26 +1,81 @@
-"""Every NATS subject of the mesh, and the union type each one carries."""
+"""Every NATS subject of the mesh, each paired with the request and reply types it carries.
+
+An :class:`Endpoint` is the one place a subject meets its types: ``bus.serve(endpoint, handler)``
+type-checks the handler against them and ``bus.request(endpoint, msg)`` returns the reply type.
+One subject carries one union type (STYLE.md); an :class:`~tangram.contract.ErrorReply` can
+answer any request and is raised by the bus as its error, so it is not part of a reply type.
+"""
 
 from __future__ import annotations
 
-from typing import Final
+from dataclasses import dataclass
+from typing import Any, Final, Generic, TypeVar
+
+from tangram.contract import (
+    Accepted,
+    Ack,
+    ActionResult,
+    Done,
+    GatewayRequest,
+    NodeCommand,
+    NodeMessage,
+    Pending,
+    SchedulerRequest,
+    SchedulerStatus,
+)
+
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
 
 PREFIX: Final = "tangram.v1"
-
-GATEWAY: Final = f"{PREFIX}.gateway"  # GatewayRequest -> GatewayReply (queue group "gateway")
-SCHED_ACTIONS: Final = f"{PREFIX}.sched.actions"  # SchedulerRequest -> Ack | ErrorReply
-SCHED_NODES: Final = f"{PREFIX}.sched.nodes"  # NodeMessage -> Ack | ErrorReply
-NODES_BROADCAST: Final = f"{PREFIX}.nodes.all"  # NodeCommand (Reconcile) to every node agent
-RESULTS_PREFIX: Final = f"{PREFIX}.results"  # ActionResult pushed to a client
+RESULTS_PREFIX: Final = f"{PREFIX}.results"
 
 GATEWAY_QUEUE: Final = "gateway"
 SCHEDULER_QUEUE: Final = "scheduler"
 
+# What the gateway answers (besides ErrorReply); what the scheduler answers on its action subject.
+GatewayAnswer = Accepted | ActionResult | Pending | Done
+SchedulerAnswer = Ack | SchedulerStatus
 
-def node(node_id: str) -> str:
-    """The command subject of one node agent (NodeCommand -> Ack | ErrorReply)."""
-    return f"{PREFIX}.node.{node_id}"
+
+@dataclass(frozen=True)
+class Endpoint(Generic[Req, Rep]):
+    """A subject with the request type it accepts and the reply type it answers.
+
+    ``request``/``reply`` are the runtime types (often unions, which ``type[...]`` cannot
+    express), so the type parameters are given explicitly: ``Endpoint[Req, Rep](...)``.
+    ``queue`` is the queue group its servers join ("" = every server gets every message).
+    """
+
+    subject: str
+    request: Any
+    reply: Any
+    queue: str = ""
+
+
+GATEWAY: Final = Endpoint[GatewayRequest, GatewayAnswer](
+    f"{PREFIX}.gateway", GatewayRequest, GatewayAnswer, GATEWAY_QUEUE
+)
+SCHED_ACTIONS: Final = Endpoint[SchedulerRequest, SchedulerAnswer](
+    f"{PREFIX}.sched.actions", SchedulerRequest, SchedulerAnswer, SCHEDULER_QUEUE
+)
+SCHED_NODES: Final = Endpoint[NodeMessage, Ack](
+    f"{PREFIX}.sched.nodes", NodeMessage, Ack, SCHEDULER_QUEUE
+)
+# A command (Reconcile) to every node agent: no queue group, so each agent gets it.
+NODES_BROADCAST: Final = Endpoint[NodeCommand, Ack](f"{PREFIX}.nodes.all", NodeCommand, Ack)
+
+
+def node(node_id: str) -> Endpoint[NodeCommand, Ack]:
+    """The command endpoint of one node agent."""
+    return Endpoint[NodeCommand, Ack](f"{PREFIX}.node.{node_id}", NodeCommand, Ack)
 
 
 def results(client_id: str) -> str:
-    """Where the results of one client's actions are pushed."""
+    """The subject where the results of one client's actions are pushed."""
     return f"{RESULTS_PREFIX}.{client_id}"
+
+
+def result_push(reply_subject: str) -> Endpoint[ActionResult, None]:
+    """Where to push a finished action's result: the ``reply_subject`` its submitter named."""
+    return Endpoint[ActionResult, None](reply_subject, ActionResult, None)

@@ -1,30 +1,22 @@
-"""Turn a backend's ExecOutcome into the facts the node agent reports (pure)."""
+"""Turn a backend's ExecOutcome into the facts the node agent reports (pure).
+
+Output is decoded here (an invalid byte becomes U+FFFD); the agent runtime then cuts the
+decoded text so that the whole completion fits one message (``tangram.agent.fit``).
+"""
 
 from __future__ import annotations
 
-from services.cpu_manager.backend import EnvFailure, ExecOutcome
+from services.cpu_manager.backend_api import ExecOutcome
+from tangram.agent import with_kill_reason
 from tangram.contract import ErrorKind, Outcome
 
-_KINDS = {
-    EnvFailure.ENVIRONMENT_LOST: ErrorKind.ENVIRONMENT_LOST,
-    EnvFailure.EXEC_TIMEOUT: ErrorKind.EXEC_TIMEOUT,
-    EnvFailure.OOM_KILLED: ErrorKind.OOM_KILLED,
-    EnvFailure.BACKEND_DOWN: ErrorKind.BACKEND_UNAVAILABLE,
-    EnvFailure.IMAGE_MISSING: ErrorKind.IMAGE_MISSING,
-    EnvFailure.KILLED: ErrorKind.CANCELLED,
-    EnvFailure.INTERNAL: ErrorKind.INTERNAL,
-}
 
-
-def to_outcome(outcome: ExecOutcome, kill_reason: ErrorKind | None) -> Outcome:
-    """The facts the scheduler gets: a kill on request wins over the killed exit code."""
-    failure = _KINDS[outcome.failure] if outcome.failure is not None else None
-    detail = outcome.detail
-    if kill_reason is not None and outcome.failure in (EnvFailure.KILLED, None):
-        failure, detail = kill_reason, outcome.detail or "killed on request"
-    return Outcome(
-        failure=failure,
-        detail=detail,
+def to_outcome(outcome: ExecOutcome, kill_reason: ErrorKind | None = None) -> Outcome:
+    """The facts the scheduler gets; with ``kill_reason`` (the agent runtime's bookkeeping),
+    a kill on request reports its reason rather than the killed exit code."""
+    facts = Outcome(
+        failure=outcome.failure,
+        detail=outcome.detail,
         exit_code=outcome.exit_code,
         stdout=outcome.stdout.decode("utf-8", "replace"),
         stderr=outcome.stderr.decode("utf-8", "replace"),
@@ -33,3 +25,4 @@ def to_outcome(outcome: ExecOutcome, kill_reason: ErrorKind | None) -> Outcome:
         started_at=outcome.started_at,
         finished_at=outcome.finished_at,
     )
+    return with_kill_reason(facts, kill_reason)

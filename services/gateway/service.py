@@ -6,22 +6,24 @@ acknowledges, hands them to the scheduler, and answers result queries from Postg
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.gateway import store
+from services.gateway import config, store
 from services.gateway.config import GatewayConfig
 from services.gateway.formulation import Limits, formulate
 from tangram import db, subjects, telemetry
-from tangram.bus import Bus
+from tangram.bus import BaseBus, Bus
 from tangram.config import MeshConfig
 from tangram.contract import (
     Accepted,
-    Ack,
+    ActionResult,
     Cancel,
     CancelCmd,
     CloseEnv,
@@ -40,49 +42,36 @@ from tangram.runtime import Service
 log = logging.getLogger(__name__)
 
 SCHEDULER_TIMEOUT_S = 5.0
+Reply = Accepted | ActionResult | Pending | Done
 
 
 class Gateway(Service):
     name = "gateway"
 
-    def __init__(self, mesh: MeshConfig, cfg: GatewayConfig) -> None:
+    def __init__(self, cfg: GatewayConfig, bus: BaseBus, pool: asyncpg.Pool) -> None:
         super().__init__()
-        self.mesh = mesh
         self.cfg = cfg
+        self.bus = bus
+        self.pool = pool
         self.limits = Limits(max_cpus=cfg.max_cpus_per_action, max_memory_mb=cfg.max_memory_mb)
-        self.bus: Bus | None = None
-        self.pool: asyncpg.Pool | None = None
-        self.intake: db.GroupCommit[UnifiedAction, store.Intake] | None = None
+        self.intake: db.GroupCommit[UnifiedAction, store.Intake] = db.GroupCommit(
+            self._insert, max_batch=cfg.max_batch
+        )
+
+    async def _insert(self, batch: Sequence[UnifiedAction]) -> list[store.Intake]:
+        return await store.insert_actions(self.pool, batch)
 
     async def on_start(self) -> None:
-        self.pool = await db.connect(self.mesh.postgres_dsn, max_size=4)
-        await db.migrate(self.pool)
-        pool = self.pool
-        self.intake = db.GroupCommit(
-            lambda batch: store.insert_actions(pool, batch), max_batch=self.cfg.max_batch
-        )
         self.intake.start()
-        self.bus = await Bus.connect(self.mesh.nats_url, "gateway")
-        self.bus.serve(
-            subjects.GATEWAY,
-            GatewayRequest,
-            self.handle,
-            queue=subjects.GATEWAY_QUEUE,
-            max_in_flight=self.cfg.max_in_flight,
-        )
+        self.bus.serve(subjects.GATEWAY, self.handle, max_in_flight=self.cfg.max_in_flight)
         await self.bus.start()
 
     async def on_stop(self, grace_s: float) -> None:
-        if self.bus is not None:
-            await self.bus.stop_serving(grace_s)
-        if self.intake is not None:
-            await self.intake.close()
-        if self.bus is not None:
-            await self.bus.close()
-        if self.pool is not None:
-            await self.pool.close()
+        """Stop intake and flush it; ``build``'s stack then closes the bus and pool."""
+        await self.bus.stop_serving(grace_s)
+        await self.intake.close()
 
-    async def handle(self, req: Any, msg: Msg) -> Any:
+    async def handle(self, req: GatewayRequest, msg: Msg) -> Reply:
         match req:
             case Submit():
                 return await self.submit(req)
@@ -93,9 +82,7 @@ class Gateway(Service):
             case Cancel(action_id=action_id):
                 return await self.forward(CancelCmd(action_id=action_id))
 
-    async def submit(self, req: Submit) -> Any:
-        assert self.intake is not None
-        assert self.bus is not None
+    async def submit(self, req: Submit) -> Accepted | ActionResult:
         action = formulate(
             req.spec,
             now=time.time(),
@@ -113,15 +100,27 @@ class Gateway(Service):
         await self.bus.publish(subjects.SCHED_ACTIONS, Enqueue(action=action))
         return Accepted(action_id=intake.action_id)
 
-    async def get_result(self, action_id: str) -> Any:
-        assert self.pool is not None
+    async def get_result(self, action_id: str) -> ActionResult | Pending:
         found = await store.fetch_result(self.pool, action_id)
         if found is None:
             raise NotFound(f"no action {action_id!r}")
         status, result = found
         return result if result is not None else Pending(action_id=action_id, status=status)  # type: ignore[arg-type]
 
-    async def forward(self, cmd: Any) -> Done:
-        assert self.bus is not None
-        await self.bus.request(subjects.SCHED_ACTIONS, cmd, Ack, timeout=SCHEDULER_TIMEOUT_S)
+    async def forward(self, cmd: CloseEnvCmd | CancelCmd) -> Done:
+        await self.bus.request(subjects.SCHED_ACTIONS, cmd, timeout=SCHEDULER_TIMEOUT_S)
         return Done()
+
+
+async def build(
+    stack: contextlib.AsyncExitStack, overrides: Mapping[str, Any] | None = None
+) -> tuple[MeshConfig, Gateway]:
+    """The gateway as configured by the environment and ``overrides`` (see runtime.Build),
+    given its pool and bus; ``stack`` closes the bus first, then the pool."""
+    mesh, cfg = config.load(overrides)
+    pool = await db.connect(mesh.postgres_dsn, max_size=4)
+    stack.push_async_callback(pool.close)
+    await db.migrate(pool)
+    bus = await Bus.connect(mesh.nats_url, "gateway")
+    stack.push_async_callback(bus.close)
+    return mesh, Gateway(cfg, bus, pool)

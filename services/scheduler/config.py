@@ -1,4 +1,8 @@
-"""Scheduler configuration (environment variables ``TANGRAM_SCHEDULER_*``)."""
+"""Scheduler configuration (environment variables ``TANGRAM_SCHEDULER_*``).
+
+The core's settings are a nested :class:`CoreConfig` whose fields keep their flat names
+(``TANGRAM_SCHEDULER_NODE_TIMEOUT_S``, ``TANGRAM_SCHEDULER_KILL_GRACE_S``, ...).
+"""
 
 from __future__ import annotations
 
@@ -7,26 +11,36 @@ from typing import Any
 
 import msgspec
 
-from services.scheduler.policy import make_policy
+from services.scheduler.core.scheduler import CoreConfig, PositiveFloat
+from services.scheduler.policies.spec import PolicySpec, parse_policy
 from tangram import config
 from tangram.config import MeshConfig
 
+PREFIX = "TANGRAM_SCHEDULER_"
+
 
 class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    policy: str = "elastic"  # or fixed-dop:K, min, trajectory-static:K (policy.POLICY_SPECS)
-    node_timeout_s: float = 5.0
-    dispatch_grace_s: float = 3.0
-    reconcile_grace_s: float = 1.0
-    tick_s: float = 0.25
-    sweep_s: float = 2.0
+    policy: str = "elastic"  # or fixed-dop:K, min, trajectory-static:K (spec.POLICY_SPECS)
+    reconcile_grace_s: PositiveFloat = 1.0
+    tick_s: PositiveFloat = 0.25
+    sweep_s: PositiveFloat = 2.0
+    core: CoreConfig = CoreConfig()
 
     def __post_init__(self) -> None:
-        # Refused at decode time (a ValidationError there), not when the scheduler starts.
+        # Refused at decode time (a ValidationError there), not when the scheduler starts;
+        # parsed as data, so checking a name never builds the policy or compiles its kernels.
         try:
-            make_policy(self.policy)
+            parse_policy(self.policy)
         except ValueError as exc:
-            raise ValueError(f"TANGRAM_SCHEDULER_POLICY: {exc}") from exc
+            raise ValueError(f"{PREFIX}POLICY: {exc}") from exc
+
+    def policy_spec(self) -> PolicySpec:
+        return parse_policy(self.policy)
 
 
 def load(overrides: Mapping[str, Any] | None = None) -> tuple[MeshConfig, SchedulerConfig]:
-    return config.service(SchedulerConfig, "TANGRAM_SCHEDULER_", overrides)
+    """The mesh's config and the scheduler's, its core's fields read under their flat names."""
+    mesh, cfg = config.service(SchedulerConfig, PREFIX, overrides)
+    own = {k: v for k, v in (overrides or {}).items() if k in CoreConfig.__struct_fields__}
+    core = config.load(CoreConfig, PREFIX, own)
+    return mesh, msgspec.structs.replace(cfg, core=core)

@@ -12,9 +12,10 @@ after the terminal record is committed, so a crash in between makes the sender r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -22,10 +23,9 @@ from typing import Any
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.scheduler import store
+from services.scheduler import config, store
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import CoreConfig, SchedulerCore
-from services.scheduler.effects import (
+from services.scheduler.core.effects import (
     DropEnvOnNode,
     Effect,
     EnvChanged,
@@ -33,9 +33,10 @@ from services.scheduler.effects import (
     KillOnNode,
     StartOnNode,
 )
-from services.scheduler.policy import make_policy
+from services.scheduler.core.scheduler import SchedulerCore
+from services.scheduler.policies.spec import make_policy
 from tangram import db, subjects
-from tangram.bus import Bus
+from tangram.bus import BaseBus, Bus
 from tangram.config import MeshConfig
 from tangram.contract import (
     Ack,
@@ -76,21 +77,21 @@ class Scheduler(Service):
     name = "scheduler"
 
     def __init__(
-        self, mesh: MeshConfig, cfg: SchedulerConfig, clock: Callable[[], float] = time.time
+        self,
+        cfg: SchedulerConfig,
+        bus: BaseBus,
+        pool: asyncpg.Pool,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         super().__init__()
-        self.mesh = mesh
         self.cfg = cfg
+        self.bus = bus
+        self.pool = pool
         self.clock = clock
-        self.core = SchedulerCore(
-            make_policy(cfg.policy),
-            CoreConfig(node_timeout_s=cfg.node_timeout_s, dispatch_grace_s=cfg.dispatch_grace_s),
-        )
+        self.core = SchedulerCore(make_policy(cfg.policy_spec()), cfg.core)
         self.epoch = 0
-        self.bus: Bus | None = None
-        self.pool: asyncpg.Pool | None = None
-        self.starts: db.GroupCommit[store.Record, None] | None = None  # synchronous_commit off
-        self.records: db.GroupCommit[store.Record, None] | None = None  # terminal and env records
+        self.starts = self._writer("started-writer")  # synchronous_commit off
+        self.records = self._writer("record-writer")  # terminal and env records
         self.pending: dict[str, asyncio.Future[None]] = {}  # finish records not yet committed
         self._commands: asyncio.Queue[_Command] = asyncio.Queue()
         self._dirty = asyncio.Event()
@@ -98,27 +99,13 @@ class Scheduler(Service):
     # ------------------------------------------------------------------ lifecycle
 
     async def on_start(self) -> None:
-        self.pool = await db.connect(self.mesh.postgres_dsn, max_size=4)
-        await db.migrate(self.pool)
         self.epoch = await store.next_epoch(self.pool)
         await self._rebuild()
-        self.starts = self._writer("started-writer")
-        self.records = self._writer("record-writer")
-        self.bus = await Bus.connect(self.mesh.nats_url, "scheduler")
-        self.bus.serve(
-            subjects.SCHED_ACTIONS,
-            SchedulerRequest,
-            self.on_action,
-            queue=subjects.SCHEDULER_QUEUE,
-            max_in_flight=100_000,
-        )
-        self.bus.serve(
-            subjects.SCHED_NODES,
-            NodeMessage,
-            self.on_node,
-            queue=subjects.SCHEDULER_QUEUE,
-            max_in_flight=100_000,
-        )
+        for writer, name in ((self.starts, "started-writer"), (self.records, "record-writer")):
+            writer.start()
+            self.spawn(writer.join(), name)  # a writer that stops on an error stops the service
+        self.bus.serve(subjects.SCHED_ACTIONS, self.on_action, max_in_flight=100_000)
+        self.bus.serve(subjects.SCHED_NODES, self.on_node, max_in_flight=100_000)
         await self.bus.start()
         self.core.hold_until(self.clock() + self.cfg.reconcile_grace_s)
         await self.bus.publish(subjects.NODES_BROADCAST, Reconcile(epoch=self.epoch))
@@ -129,18 +116,12 @@ class Scheduler(Service):
         log.info("scheduler epoch %d up, policy %s", self.epoch, self.core.policy.name)
 
     async def on_stop(self, grace_s: float) -> None:
-        if self.bus is not None:
-            await self.bus.stop_serving(grace_s)
-        writers = [w for w in (self.starts, self.records) if w is not None]
-        await asyncio.gather(*(w.close(grace_s) for w in writers))
-        if self.bus is not None:
-            await self.bus.close()
-        if self.pool is not None:
-            await self.pool.close()
+        """Stop intake and flush the writers; ``build``'s stack then closes the bus and pool."""
+        await self.bus.stop_serving(grace_s)
+        await asyncio.gather(*(w.close(grace_s) for w in (self.starts, self.records)))
 
     async def _rebuild(self) -> None:
         """Rebuild the books from Postgres; node reports confirm them (see core)."""
-        assert self.pool is not None
         envs, gone = await store.load_envs(self.pool)
         for env in envs:
             self.core.restore_env(env)
@@ -154,20 +135,15 @@ class Scheduler(Service):
         log.info("rebuilt: %s", self.core.snapshot())
 
     def _writer(self, name: str) -> db.GroupCommit[store.Record, None]:
-        """A durable writer; if it stops on an error retrying cannot cure, the service stops."""
-        writer: db.GroupCommit[store.Record, None] = db.GroupCommit(
-            partial(self._write, self.pool), max_batch=1024, retry=WRITE_RETRY, name=name
-        )
-        writer.start()
-        self.spawn(writer.join(), name)
-        return writer
+        """A durable writer (started with the service)."""
+        return db.GroupCommit(self._write, max_batch=1024, retry=WRITE_RETRY, name=name)
 
-    async def _write(self, pool: asyncpg.Pool, batch: Sequence[store.Record]) -> list[None]:
-        return await store.write(pool, batch, self.clock())
+    async def _write(self, batch: Sequence[store.Record]) -> list[None]:
+        return await store.write(self.pool, batch, self.clock())
 
     # ------------------------------------------------------------------ handlers
 
-    async def on_action(self, req: Any, msg: Msg) -> Any:
+    async def on_action(self, req: SchedulerRequest, msg: Msg) -> Ack | SchedulerStatus | None:
         now = self.clock()
         match req:
             case Enqueue(action=action):
@@ -188,7 +164,7 @@ class Scheduler(Service):
         self._dirty.set()
         return Ack()
 
-    async def on_node(self, req: Any, msg: Msg) -> Any:
+    async def on_node(self, req: NodeMessage, msg: Msg) -> Ack:
         now = self.clock()
         match req:
             case Completion():
@@ -222,18 +198,17 @@ class Scheduler(Service):
 
     async def apply(self, effects: list[Effect]) -> None:
         """Record the effects and queue node commands (before any ``await``), then push results."""
-        assert self.bus is not None
         for e in effects:
             self._queue(e)
         for e in effects:
             if isinstance(e, Finish) and e.action.reply_subject:
                 await self.bus.publish(
-                    e.action.reply_subject, e.result, traceparent=e.action.traceparent
+                    subjects.result_push(e.action.reply_subject),
+                    e.result,
+                    traceparent=e.action.traceparent,
                 )
 
     def _queue(self, e: Effect) -> None:
-        assert self.starts is not None
-        assert self.records is not None
         match e:
             case StartOnNode():
                 started = self.starts.enqueue(store.Started(e, self.clock()))
@@ -246,7 +221,6 @@ class Scheduler(Service):
                 self.records.enqueue(e)
 
     def _finish(self, e: Finish) -> None:
-        assert self.records is not None
         aid = e.result.action_id
         fut = self.records.enqueue(e)
         self.pending[aid] = fut
@@ -258,7 +232,6 @@ class Scheduler(Service):
             del self.pending[aid]
 
     async def _send(self, e: NodeEffect) -> None:
-        assert self.bus is not None
         match e:
             case StartOnNode():
                 if self._still_assigned(e):
@@ -307,12 +280,10 @@ class Scheduler(Service):
             self._dirty.set()
 
     async def _load_stale(self) -> list[store.OpenAction]:
-        assert self.pool is not None
         return await store.load_open(self.pool, older_than=self.clock() - self.cfg.sweep_s)
 
     async def _sweep_loop(self) -> None:
         """Pick up durable actions whose hand-off from the gateway was lost."""
-        assert self.pool is not None
         while True:
             await asyncio.sleep(self.cfg.sweep_s)
             rows = await db.retrying(self._load_stale, what="sweep")
@@ -331,3 +302,17 @@ async def _committed(fut: asyncio.Future[None]) -> bool:
         log.warning("not dispatching: its start was not recorded (%s)", exc)
         return False
     return True
+
+
+async def build(
+    stack: contextlib.AsyncExitStack, overrides: Mapping[str, Any] | None = None
+) -> tuple[MeshConfig, Scheduler]:
+    """The scheduler as configured by the environment and ``overrides`` (see runtime.Build),
+    given its pool and bus; ``stack`` closes the bus first, then the pool."""
+    mesh, cfg = config.load(overrides)
+    pool = await db.connect(mesh.postgres_dsn, max_size=4)
+    stack.push_async_callback(pool.close)
+    await db.migrate(pool)
+    bus = await Bus.connect(mesh.nats_url, "scheduler")
+    stack.push_async_callback(bus.close)
+    return mesh, Scheduler(cfg, bus, pool)

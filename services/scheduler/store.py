@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from services.scheduler.core import Env
-from services.scheduler.effects import EnvChanged, Finish, StartOnNode
+from services.scheduler.core.books import EnvPlacement
+from services.scheduler.core.effects import EnvChanged, Finish, StartOnNode
 from tangram.contract import UnifiedAction, codec, encode
 
 _STARTED = """
@@ -164,14 +164,16 @@ async def load_open(pool: asyncpg.Pool, *, older_than: float | None = None) -> l
     return [_open(r) for r in rows]
 
 
-async def load_envs(pool: asyncpg.Pool) -> tuple[list[Env], dict[str, str]]:
+async def load_envs(pool: asyncpg.Pool) -> tuple[list[EnvPlacement], dict[str, str]]:
     """Active environments, and why the recently gone ones are gone."""
     rows = await pool.fetch(
         "SELECT trajectory_id, job_id, node_id, incarnation, memory_mb, status, reason FROM envs"
         " WHERE status <> 'closed'"
     )
     active = [
-        Env(r["trajectory_id"], r["job_id"], r["node_id"], r["incarnation"], r["memory_mb"])
+        EnvPlacement(
+            r["trajectory_id"], r["job_id"], r["node_id"], r["incarnation"], r["memory_mb"]
+        )
         for r in rows
         if r["status"] == "active"
     ]

@@ -15,19 +15,15 @@ from tangram import ActionSpec, ErrorKind, ExecAction
 from tangram.client import Client
 from tangram.launcher import Mesh
 
-from ..conftest import mesh_options
+from ..support import eventually, running_mesh
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
 async def own_mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
-    m = Mesh(mesh_options(tmp_path / "mesh"))
-    try:
-        await m.start()
+    async with running_mesh(tmp_path / "mesh") as m:
         yield m
-    finally:
-        await m.stop()
 
 
 def specs(uid: str, log: Path, n: int, trajectories: int, sleep: str) -> list[ActionSpec]:
@@ -62,12 +58,21 @@ async def terminal_records(dsn: str, ids: list[str]) -> tuple[dict[str, str], di
 async def settled(dsn: str, ids: list[str]) -> tuple[dict[str, str], dict[str, int]]:
     """Records once every action has its terminal event (results are pushed as actions end;
     their records commit moments later)."""
-    for _ in range(100):
+
+    async def all_terminal() -> tuple[dict[str, str], dict[str, int]] | None:
         statuses, terminal_events = await terminal_records(dsn, ids)
-        if len(terminal_events) == len(ids):
-            break
-        await asyncio.sleep(0.1)
-    return statuses, terminal_events
+        return (statuses, terminal_events) if len(terminal_events) == len(ids) else None
+
+    return await eventually(all_terminal, what="a terminal record of every action", timeout_s=10)
+
+
+async def ran(log: Path, n: int) -> None:
+    """Until ``n`` actions have started (each appends its id to ``log``)."""
+
+    def lines() -> int:
+        return len(log.read_text().split()) if log.exists() else 0
+
+    await eventually(lambda: lines() >= n, what=f"{n} actions to start", timeout_s=30)
 
 
 async def run_through_crash(mesh: Mesh, victim: str, uid: str, log: Path, n: int) -> list:
@@ -75,9 +80,9 @@ async def run_through_crash(mesh: Mesh, victim: str, uid: str, log: Path, n: int
         todo = specs(uid, log, n, trajectories=8, sleep="0.2")
         acks = await asyncio.gather(*(client.submit(s) for s in todo))
         assert all(not a.duplicate for a in acks)
-        await asyncio.sleep(0.7)
+        await ran(log, n // 4)  # the crash lands mid-run: some done, some running, some queued
         await mesh.kill(victim)
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.0)  # the scenario: the victim stays dead for a second
         name, _, index = victim.partition(".")
         await mesh.start_service(name, int(index or 0))
         results = await asyncio.gather(*(client.result(s.action_id, timeout=90) for s in todo))
@@ -127,7 +132,7 @@ async def test_server_kill9_mid_run_loses_nothing(
     async with Client.connect(own_mesh.nats_url) as client:
         todo = specs(uid, log, 40, trajectories=8, sleep="0.2")
         await asyncio.gather(*(client.submit(s) for s in todo))
-        await asyncio.sleep(0.5)
+        await ran(log, 8)  # actions are in flight when the server dies
         await restart()
         results = await asyncio.gather(*(client.result(s.action_id, timeout=90) for s in todo))
     assert all(r.ok for r in results), [(r.action_id, r.error) for r in results if not r.ok]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from ..support import eventually
+
 TANGRAM = [sys.executable, "-m", "tangram.cli"]
 ENV = {**os.environ, "TANGRAM_CPU_BACKEND": "process"}
 
@@ -104,9 +106,9 @@ async def test_service_runs_one_service_against_given_servers(tmp_path: Path):
 
     from tangram import subjects
     from tangram.bus import Bus
-    from tangram.contract import GatewayReply, GetResult
+    from tangram.contract import GetResult
     from tangram.embedded import EmbeddedNats, EmbeddedPostgres
-    from tangram.errors import NotFound
+    from tangram.errors import NotFound, TangramError
 
     nats_srv = await asyncio.to_thread(EmbeddedNats(tmp_path / "nats").start)
     pg = await asyncio.to_thread(EmbeddedPostgres(tmp_path / "pg", fsync=False).start)
@@ -122,18 +124,18 @@ async def test_service_runs_one_service_against_given_servers(tmp_path: Path):
         stderr=asyncio.subprocess.PIPE,
     )
     bus = await Bus.connect(nats_srv.url, "test")
+
+    async def gateway_answers() -> bool:
+        try:
+            await bus.request(subjects.GATEWAY, GetResult(action_id="nope"), timeout=0.5)
+        except NotFound:
+            return True
+        except TangramError:
+            return False  # not up yet
+        return True
+
     try:
-        for _ in range(100):
-            try:
-                await bus.request(
-                    subjects.GATEWAY, GetResult(action_id="nope"), GatewayReply, timeout=0.5
-                )
-            except NotFound:
-                break
-            except Exception:
-                await asyncio.sleep(0.1)
-        else:
-            pytest.fail("the gateway never answered")
+        await eventually(gateway_answers, what="the gateway to answer", timeout_s=30)
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
     finally:

@@ -67,7 +67,7 @@ CASES = [
 async def test_gateway_rejects_with_a_reason_and_keeps_serving(
     mesh: Mesh, client: Client, uid: str, payload: bytes, names: str
 ):
-    reply = await client.bus.nc.request(subjects.GATEWAY, payload, timeout=10)
+    reply = await client.bus.nc.request(subjects.GATEWAY.subject, payload, timeout=10)
     err = codec.decode(reply.data, GatewayReply)
     assert isinstance(err, ErrorReply)
     assert err.code == "invalid_request"
@@ -85,7 +85,7 @@ async def test_unknown_fields_are_accepted_for_rolling_upgrades(client: Client, 
         "future": True,
     }
     payload = pack({"type": "submit", "spec": spec, "also_new": [1]})
-    reply = await client.bus.nc.request(subjects.GATEWAY, payload, timeout=10)
+    reply = await client.bus.nc.request(subjects.GATEWAY.subject, payload, timeout=10)
     ack = codec.decode(reply.data, GatewayReply)
     assert not isinstance(ack, ErrorReply), ack
     res = await client.result(f"{uid}-fwd", timeout=30)
@@ -94,7 +94,11 @@ async def test_unknown_fields_are_accepted_for_rolling_upgrades(client: Client, 
 
 async def test_scheduler_and_node_subjects_reject_garbage(mesh: Mesh, client: Client, uid: str):
     nc = client.bus.nc
-    for subject in (subjects.SCHED_ACTIONS, subjects.SCHED_NODES, subjects.node("node0")):
+    for subject in (
+        subjects.SCHED_ACTIONS.subject,
+        subjects.SCHED_NODES.subject,
+        subjects.node("node0").subject,
+    ):
         reply = await nc.request(subject, b"\x92\x01", timeout=10)
         err = codec.decode(reply.data, ErrorReply)
         assert err.code == "invalid_request"
@@ -107,12 +111,12 @@ async def test_scheduler_and_node_subjects_reject_garbage(mesh: Mesh, client: Cl
             "result": {},
         }
     )
-    reply = await nc.request(subjects.SCHED_NODES, bad_completion, timeout=10)
+    reply = await nc.request(subjects.SCHED_NODES.subject, bad_completion, timeout=10)
     assert "attempt" in codec.decode(reply.data, NodeMessage | ErrorReply).message
     bad_goodbye = pack(
         {"type": "node_leaving", "node_id": "node0", "incarnation": "x", "started": [1, 2]}
     )
-    reply = await nc.request(subjects.SCHED_NODES, bad_goodbye, timeout=10)
+    reply = await nc.request(subjects.SCHED_NODES.subject, bad_goodbye, timeout=10)
     assert "started" in codec.decode(reply.data, NodeMessage | ErrorReply).message
     ok = await client.exec("echo alive", trajectory_id=uid, job_id=uid, wait_s=30)
     assert ok.ok
@@ -126,7 +130,7 @@ async def test_node_refuses_a_deposed_schedulers_epoch(mesh: Mesh, client: Clien
         spec=spec, demands=(), key_resource="cpu", env_memory_mb=1, submitted_at=0.0
     )
     for cmd in (Dispatch(action=action, cores=(0,), epoch=0), Kill(action_id="x", epoch=0)):
-        reply = await client.bus.nc.request(subjects.node("node0"), encode(cmd), timeout=10)
+        reply = await client.bus.nc.request(subjects.node("node0").subject, encode(cmd), timeout=10)
         err = codec.decode(reply.data, ErrorReply)
         assert "stale scheduler epoch" in err.message
 
@@ -152,7 +156,7 @@ async def test_oversized_payload_for_nats_is_refused_by_the_client_library(mesh:
     nc = await nats.connect(mesh.nats_url)
     try:
         with pytest.raises(nats.errors.MaxPayloadError):
-            await nc.request(subjects.GATEWAY, b"x" * (2 * 1024 * 1024), timeout=5)
+            await nc.request(subjects.GATEWAY.subject, b"x" * (2 * 1024 * 1024), timeout=5)
     finally:
         await nc.close()
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import asyncpg
 import msgspec
+import nats.errors
 import pytest
 from nats.aio.msg import Msg
 
@@ -29,7 +30,7 @@ from tangram.contract import (
 )
 from tangram.launcher import Mesh
 
-from ..conftest import mesh_options, wait_for_file
+from ..support import eventually, running_mesh
 
 pytestmark = pytest.mark.slow
 
@@ -38,12 +39,8 @@ DRAIN_S = 1.0
 
 @pytest.fixture
 async def short_drain_mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
-    m = Mesh(mesh_options(tmp_path / "mesh", env={"TANGRAM_DRAIN_S": str(DRAIN_S)}))
-    try:
-        await m.start()
+    async with running_mesh(tmp_path / "mesh", env={"TANGRAM_DRAIN_S": str(DRAIN_S)}) as m:
         yield m
-    finally:
-        await m.stop()
 
 
 async def test_action_longer_than_the_drain_ends_as_node_died(
@@ -59,7 +56,7 @@ async def test_action_longer_than_the_drain_ends_as_node_died(
     )
     async with Client.connect(mesh.nats_url) as client:
         await client.submit(spec)
-        await wait_for_file(marker)
+        await eventually(marker.exists, what="the action to run")
         t0 = time.monotonic()
         rc = await mesh.stop_service("cpu_manager.0")
         took = time.monotonic() - t0
@@ -72,13 +69,14 @@ async def test_action_longer_than_the_drain_ends_as_node_died(
     assert res.infrastructure_failure
     conn = await asyncpg.connect(mesh.postgres_dsn)
     try:
-        for _ in range(100):
+
+        async def ended() -> asyncpg.Record | None:
             row = await conn.fetchrow(
                 "SELECT status, error_kind FROM actions WHERE action_id = $1", spec.action_id
             )
-            if row["status"] != "running":
-                break
-            await asyncio.sleep(0.05)
+            return row if row["status"] != "running" else None
+
+        row = await eventually(ended, what="the action's terminal record")
         terminal = await conn.fetchval(
             "SELECT count(*) FROM action_events WHERE action_id = $1"
             " AND status IN ('succeeded', 'failed', 'cancelled')",
@@ -102,7 +100,7 @@ class FakeScheduler:
         self.draining = asyncio.Event()
 
     async def start(self) -> None:
-        await self.bus.nc.subscribe(subjects.SCHED_NODES, cb=self._on_msg)
+        await self.bus.nc.subscribe(subjects.SCHED_NODES.subject, cb=self._on_msg)
         await self.bus.nc.flush()
 
     async def _on_msg(self, msg: Msg) -> None:
@@ -133,6 +131,17 @@ class FakeScheduler:
         await self.bus.nc.flush()
 
 
+async def no_responder(bus: Bus, subject: str) -> bool:
+    """True once nobody serves ``subject`` (an empty request is otherwise refused)."""
+    try:
+        await bus.nc.request(subject, b"", timeout=1)
+    except nats.errors.NoRespondersError:
+        return True
+    except nats.errors.TimeoutError:
+        pass
+    return False
+
+
 def exec_spec(uid: str, name: str, command: str) -> ActionSpec:
     return ActionSpec(
         action_id=f"{uid}-{name}",
@@ -145,28 +154,29 @@ def exec_spec(uid: str, name: str, command: str) -> ActionSpec:
 async def test_a_leaving_agent_names_what_it_started_and_goes_quiet(tmp_path: Path, uid: str):
     """The goodbye lets the scheduler requeue a dispatch that arrived after intake stopped,
     and no heartbeat follows it (a late one would bring a ghost of the node back)."""
-    mesh = Mesh(mesh_options(tmp_path / "mesh", env={"TANGRAM_DRAIN_S": "10"}))
     marker = tmp_path / "started"
     long = exec_spec(uid, "long", f"touch {marker}; sleep 1.5")
     late = exec_spec(uid, "late", "echo never")
-    try:
-        await mesh.start_servers()
+    env = {"TANGRAM_DRAIN_S": "10"}
+    async with running_mesh(tmp_path / "mesh", servers_only=True, env=env) as mesh:
         bus = await Bus.connect(mesh.nats_url, "answering-scheduler")
         scheduler = FakeScheduler(bus, answer=True)
         await scheduler.start()
         await mesh.start_service("cpu_manager", 0)
         report = await asyncio.wait_for(scheduler.reports.get(), 30)
         await scheduler.dispatch(report, long)
-        await wait_for_file(marker)
+        await eventually(marker.exists, what="the action to run")
         stopping = asyncio.ensure_future(mesh.stop_service("cpu_manager.0"))
         await asyncio.wait_for(scheduler.draining.wait(), 10)
-        await asyncio.sleep(0.5)  # the agent has stopped taking work
+        await eventually(
+            lambda: no_responder(bus, subjects.node(report.node_id).subject),
+            what="the agent to stop taking work",
+        )
         await scheduler.dispatch(report, late, core=1)
         assert await stopping == 0
-        await asyncio.sleep(1.0)  # a heartbeat would have come by now
+        # The scenario: the agent is gone, and no heartbeat (every 0.5 s) may follow its goodbye.
+        await asyncio.sleep(1.0)
         await bus.close()
-    finally:
-        await mesh.stop()
     gone = [m for m in scheduler.heard if isinstance(m, NodeLeaving) and not m.draining]
     assert len(gone) == 1
     assert gone[0].started == ()  # the long action's completion was acknowledged
@@ -178,7 +188,7 @@ async def test_a_leaving_agent_names_what_it_started_and_goes_quiet(tmp_path: Pa
 
 async def test_the_launcher_outwaits_the_agents_worst_case_stop(tmp_path: Path, uid: str):
     drain_s = 8.0  # the agent's fixed waits (~8 s here) on top exceed the old 15 s SIGKILL limit
-    mesh = Mesh(mesh_options(tmp_path / "mesh", env={"TANGRAM_DRAIN_S": str(drain_s)}))
+    env = {"TANGRAM_DRAIN_S": str(drain_s)}
     marker = tmp_path / "started"
     spec = ActionSpec(
         action_id=f"{uid}-long",
@@ -186,21 +196,18 @@ async def test_the_launcher_outwaits_the_agents_worst_case_stop(tmp_path: Path, 
         trajectory_id=uid,
         action=ExecAction(command=f"touch {marker}; sleep 60"),
     )
-    try:
-        await mesh.start_servers()
+    async with running_mesh(tmp_path / "mesh", servers_only=True, env=env) as mesh:
         bus = await Bus.connect(mesh.nats_url, "silent-scheduler")
         scheduler = FakeScheduler(bus)
         await scheduler.start()
         await mesh.start_service("cpu_manager", 0)
         report = await asyncio.wait_for(scheduler.reports.get(), 30)
         await scheduler.dispatch(report, spec)
-        await wait_for_file(marker)
+        await eventually(marker.exists, what="the action to run")
         t0 = time.monotonic()
         rc = await mesh.stop_service("cpu_manager.0")
         took = time.monotonic() - t0
         await bus.close()
-    finally:
-        await mesh.stop()
     assert rc == 0, f"SIGKILLed after {took:.1f}s; limit {mesh.stop_limit_s('cpu_manager.0')}s"
     assert drain_s <= took < mesh.stop_limit_s("cpu_manager.0")
     kinds = {c.outcome.failure for c in scheduler.completions}

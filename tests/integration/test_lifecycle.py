@@ -12,19 +12,15 @@ from tangram import ActionSpec, ErrorKind, ExecAction
 from tangram.client import Client
 from tangram.launcher import Mesh
 
-from ..conftest import mesh_options, wait_for_file
+from ..support import eventually, running_mesh
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
 async def ttl_mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
-    m = Mesh(mesh_options(tmp_path / "mesh", env={"TANGRAM_CPU_ENV_TTL_S": "0.5"}))
-    try:
-        await m.start()
+    async with running_mesh(tmp_path / "mesh", env={"TANGRAM_CPU_ENV_TTL_S": "0.5"}) as m:
         yield m
-    finally:
-        await m.stop()
 
 
 async def test_idle_environment_expires_and_its_trajectory_is_told(ttl_mesh: Mesh, uid: str):
@@ -32,12 +28,12 @@ async def test_idle_environment_expires_and_its_trajectory_is_told(ttl_mesh: Mes
         first = await client.exec("echo state > f", trajectory_id=uid, job_id=uid)
         assert first.ok
         envs = ttl_mesh.opts.state_dir / "envs" / "node0"
-        for _ in range(50):
-            if not any(envs.iterdir()):
-                break
-            await asyncio.sleep(0.1)
-        assert not any(envs.iterdir()), "the idle environment was not removed"
-        await asyncio.sleep(0.3)  # the expiry reaches the scheduler
+        await eventually(lambda: not any(envs.iterdir()), what="the idle environment's removal")
+
+        async def scheduler_forgot() -> bool:
+            return (await ttl_mesh.status(client.bus)).envs == 0
+
+        await eventually(scheduler_forgot, what="the expiry to reach the scheduler")
         late = await client.exec("cat f", trajectory_id=uid, job_id=uid, wait_s=30)
         assert late.status == "failed"
         assert late.error is not None
@@ -58,7 +54,9 @@ async def test_sigterm_drains_in_flight_actions(mesh: Mesh, uid: str, tmp_path: 
             action=ExecAction(command=f"touch {marker}; sleep 1; echo finished"),
         )
         await client.submit(spec)
-        await wait_for_file(marker)  # in flight on the node, not still being dispatched
+        await eventually(
+            marker.exists, what="the action to run"
+        )  # in flight on the node, not still being dispatched
         rc = await mesh.stop_service("cpu_manager.0")
         assert rc == 0
         await mesh.start_service("cpu_manager", 0)
@@ -70,12 +68,13 @@ async def test_sigterm_drains_in_flight_actions(mesh: Mesh, uid: str, tmp_path: 
 async def test_a_second_mesh_on_the_machine_leaves_the_first_ones_actions_alone(
     mesh: Mesh, tmp_path: Path, uid: str
 ):
+    marker = tmp_path / "running"
     async with Client.connect(mesh.nats_url) as client:
         running = asyncio.ensure_future(
-            client.exec("sleep 1.5; echo survived", trajectory_id=uid, job_id=uid)
+            client.exec(f"touch {marker}; sleep 1.5; echo survived", trajectory_id=uid, job_id=uid)
         )
-        await asyncio.sleep(0.3)
-        async with Mesh(mesh_options(tmp_path / "other")):
+        await eventually(marker.exists, what="the first mesh's action to run")
+        async with running_mesh(tmp_path / "other"):
             res = await running
     assert res.ok, res.error
     assert res.stdout == "survived\n"

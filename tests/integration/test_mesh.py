@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+from pathlib import Path
 
 import psutil
 import pytest
@@ -12,6 +13,8 @@ import pytest
 from tangram import ActionSpec, ErrorKind, ExecAction, SyncClient
 from tangram.client import Client
 from tangram.launcher import Mesh
+
+from ..support import eventually
 
 
 async def test_exec_returns_output_exit_code_allocation_and_timings(client: Client, uid: str):
@@ -129,13 +132,16 @@ async def test_timeout_kills_the_whole_process_group(client: Client, uid: str):
     assert res.error.kind is ErrorKind.EXEC_TIMEOUT
     assert res.infrastructure_failure
     assert "never" not in res.stdout
-    await asyncio.sleep(0.2)
-    left = [
-        p
-        for p in psutil.process_iter(["environ"])
-        if (p.info["environ"] or {}).get("TANGRAM_ACTION_ID") == f"{uid}-slow"
-    ]
-    assert left == []
+
+    def left() -> list[psutil.Process]:
+        return [
+            p
+            for p in psutil.process_iter(["environ"])
+            if (p.info["environ"] or {}).get("TANGRAM_ACTION_ID") == f"{uid}-slow"
+        ]
+
+    # The group is SIGKILLed; its processes are gone once the kernel has reaped them.
+    await eventually(lambda: not left(), what="the action's processes to be gone", timeout_s=5)
 
 
 async def test_output_is_capped_and_truncation_flagged(client: Client, uid: str):
@@ -165,12 +171,16 @@ async def test_close_env_removes_state_and_a_reused_id_starts_fresh(client: Clie
     assert res.exit_code != 0
 
 
-async def test_cancel_a_running_action(client: Client, uid: str):
+async def test_cancel_a_running_action(client: Client, uid: str, tmp_path: Path):
+    marker = tmp_path / "running"
     spec = ActionSpec(
-        action_id=f"{uid}-c", job_id=uid, trajectory_id=uid, action=ExecAction(command="sleep 30")
+        action_id=f"{uid}-c",
+        job_id=uid,
+        trajectory_id=uid,
+        action=ExecAction(command=f"touch {marker}; sleep 30"),
     )
     await client.submit(spec)
-    await asyncio.sleep(0.5)
+    await eventually(marker.exists, what="the action to be running")  # not still queued
     await client.cancel(spec.action_id)
     res = await client.result(spec.action_id, timeout=30)
     assert res.status == "cancelled"
@@ -178,13 +188,21 @@ async def test_cancel_a_running_action(client: Client, uid: str):
     assert res.error.kind is ErrorKind.CANCELLED
 
 
-async def test_queue_timeout_is_an_infrastructure_failure(mesh: Mesh, client: Client, uid: str):
+async def test_queue_timeout_is_an_infrastructure_failure(
+    mesh: Mesh, client: Client, uid: str, tmp_path: Path
+):
     cores = len(os.sched_getaffinity(0))
     blockers = [
-        asyncio.ensure_future(client.exec("sleep 1.5", trajectory_id=f"{uid}-b{i}", job_id=uid))
+        asyncio.ensure_future(
+            client.exec(
+                f"touch {tmp_path}/b{i}; sleep 1.5", trajectory_id=f"{uid}-b{i}", job_id=uid
+            )
+        )
         for i in range(cores)
     ]
-    await asyncio.sleep(0.3)
+    await eventually(
+        lambda: len(list(tmp_path.glob("b*"))) == cores, what="every core to be busy", timeout_s=10
+    )
     res = await client.exec(
         "true", trajectory_id=f"{uid}-q", job_id=uid, queue_timeout_s=0.3, wait_s=30
     )

@@ -19,6 +19,8 @@ from tangram.client import Client
 from tangram.contract import Dispatch, NodeCommand, codec
 from tangram.launcher import Mesh
 
+from ..support import eventually
+
 pytestmark = pytest.mark.slow
 
 LOCK_WAITERS = """
@@ -63,7 +65,7 @@ async def dispatches(mesh: Mesh) -> AsyncIterator[dict[str, asyncio.Event]]:
         if isinstance(cmd, Dispatch):
             seen.setdefault(cmd.action.spec.action_id, asyncio.Event()).set()
 
-    await bus.nc.subscribe(subjects.node("node0"), cb=on_msg)
+    await bus.nc.subscribe(subjects.node("node0").subject, cb=on_msg)
     await bus.nc.flush()
     try:
         yield seen
@@ -79,17 +81,6 @@ def spec(action_id: str, command: str, cpus: int = 1) -> ActionSpec:
         action=ExecAction(command=command),
         cpus=cpus,
     )
-
-
-async def until(what: str, probe, timeout_s: float = 15.0):  # type: ignore[no-untyped-def]
-    """Poll ``probe`` until it returns something truthy."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while asyncio.get_running_loop().time() < deadline:
-        found = await probe()
-        if found:
-            return found
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def status_of(pg: asyncpg.Connection, action_id: str) -> tuple[str, int]:
@@ -113,7 +104,7 @@ async def test_dispatch_waits_for_its_started_record(
     blocker = spec(f"{uid}-blocker", f"touch {marker}; sleep 0.5", cpus=cores)
     target = spec(f"{uid}-target", "echo ran")
     await client.submit(blocker)
-    await until("the blocker to run", lambda: asyncio.to_thread(marker.exists))
+    await eventually(lambda: asyncio.to_thread(marker.exists), what="the blocker to run")
     await client.submit(target)  # queued: every core is busy
     lock = locker.transaction()
     await lock.start()
@@ -122,7 +113,7 @@ async def test_dispatch_waits_for_its_started_record(
             "SELECT 1 FROM actions WHERE action_id = $1 FOR UPDATE", target.action_id
         )
         # The blocker ends, the target is started, and its record waits for our row lock.
-        await until("the started record to block", lambda: pg.fetch(LOCK_WAITERS))
+        await eventually(lambda: pg.fetch(LOCK_WAITERS), what="the started record to block")
         sent = dispatches.setdefault(target.action_id, asyncio.Event())
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(sent.wait(), 0.5)
@@ -133,7 +124,9 @@ async def test_dispatch_waits_for_its_started_record(
     assert res.ok, res.error
     assert (res.stdout, res.attempt) == ("ran\n", 1)
     assert dispatches[target.action_id].is_set()
-    await until("the terminal record", lambda: _terminal(pg, target.action_id), timeout_s=10)
+    await eventually(
+        lambda: _terminal(pg, target.action_id), what="the terminal record", timeout_s=10
+    )
     assert await status_of(pg, target.action_id) == ("succeeded", 1)
 
 
@@ -150,7 +143,7 @@ async def test_a_failed_terminal_write_is_retried_until_it_commits(
     marker = tmp_path / "running"
     action = spec(f"{uid}-a", f"touch {marker}; sleep 0.3; echo done")
     await client.submit(action)
-    await until("the action to run", lambda: asyncio.to_thread(marker.exists))
+    await eventually(lambda: asyncio.to_thread(marker.exists), what="the action to run")
     assert await status_of(pg, action.action_id) == ("running", 1)
     lock = locker.transaction()
     await lock.start()
@@ -158,19 +151,23 @@ async def test_a_failed_terminal_write_is_retried_until_it_commits(
         await locker.execute(
             "SELECT 1 FROM actions WHERE action_id = $1 FOR UPDATE", action.action_id
         )
-        first = (await until("the terminal record to block", lambda: pg.fetch(LOCK_WAITERS)))[0]
+        first = (
+            await eventually(lambda: pg.fetch(LOCK_WAITERS), what="the terminal record to block")
+        )[0]
         assert await pg.fetchval("SELECT pg_cancel_backend($1)", first["pid"])
 
         async def retried() -> list[asyncpg.Record]:
             rows = await pg.fetch(LOCK_WAITERS)
             return [r for r in rows if r["query_start"] > first["query_start"]]
 
-        await until("the terminal record to be written again", retried)
+        await eventually(retried, what="the terminal record to be written again")
     finally:
         await lock.rollback()
     res = await client.result(action.action_id, timeout=30)
     assert res.ok, res.error
-    await until("the terminal record", lambda: _terminal(pg, action.action_id), timeout_s=10)
+    await eventually(
+        lambda: _terminal(pg, action.action_id), what="the terminal record", timeout_s=10
+    )
     events = await pg.fetchval(
         "SELECT count(*) FROM action_events WHERE action_id = $1"
         " AND status IN ('succeeded', 'failed', 'cancelled')",

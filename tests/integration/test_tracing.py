@@ -18,7 +18,7 @@ from tangram import telemetry
 from tangram.client import Client
 from tangram.launcher import Mesh
 
-from ..conftest import mesh_options
+from ..support import eventually, running_mesh
 
 
 class Collector:
@@ -71,12 +71,10 @@ async def traced_mesh(tmp_path: Path) -> AsyncIterator[tuple[Mesh, Collector]]:
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}",
         "OTEL_BSP_SCHEDULE_DELAY": "100",
     }
-    m = Mesh(mesh_options(tmp_path / "mesh", env=env))
     try:
-        await m.start()
-        yield m, collector
+        async with running_mesh(tmp_path / "mesh", env=env) as m:
+            yield m, collector
     finally:
-        await m.stop()
         await collector.close()
 
 
@@ -99,14 +97,14 @@ async def test_one_action_is_one_trace_across_every_hop(traced_mesh, uid: str):
     provider.force_flush()  # type: ignore[attr-defined]
     provider.shutdown()  # type: ignore[attr-defined]  # later tests export nothing
     wanted = {"tangram-gateway", "tangram-scheduler", "tangram-cpu_manager"}
-    services: set[str] = set()
-    names: set[str] = set()
-    for _ in range(100):  # each service exports in its own batches: wait for the whole trace
+
+    def whole_trace() -> tuple[set[str], set[str]] | None:
         services, names = _trace(collector, f"{uid}-traced")
-        if wanted <= services and any("Completion" in n for n in names):
-            break
-        await asyncio.sleep(0.1)
-    assert names, "the client's submit span was not exported"
+        done = wanted <= services and any("Completion" in n for n in names)
+        return (services, names) if done else None
+
+    # Each service exports in its own batches: wait for the whole trace.
+    services, names = await eventually(whole_trace, what="every service's spans of the action")
     assert wanted <= services, services
     assert any("dispatch" in n.lower() or "Dispatch" in n for n in names), names
     assert any("Completion" in n for n in names), names

@@ -4,7 +4,7 @@ node's full report, a node's completion of a started attempt."""
 from __future__ import annotations
 
 from services.gateway.formulation import Limits, formulate
-from services.scheduler.effects import StartOnNode
+from services.scheduler.core.effects import StartOnNode
 from tangram.contract import (
     ActionSpec,
     Completion,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from services.scheduler.config import load
-from services.scheduler.core import SchedulerCore
-from services.scheduler.effects import Effect, StartOnNode
-from services.scheduler.policy import make_policy
+from services.scheduler.core.effects import Effect, StartOnNode
+from services.scheduler.core.scheduler import SchedulerCore
+from services.scheduler.policies.spec import make_policy
 from tangram.errors import InvalidRequest
 
 from .core_kit import action, done, report

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.cpu_manager.cgroup import locate, parse_oom_kills, parse_proc_cgroup
+from services.cpu_manager.docker.cgroup import locate, parse_oom_kills, parse_proc_cgroup
 
 V1 = "4:memory:/docker/abc\n3:cpuset:/docker/abc\n2:cpu,cpuacct:/docker/abc\n0::/docker/abc\n"
 

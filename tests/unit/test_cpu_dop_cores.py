@@ -1,4 +1,4 @@
-"""Elastic DoP substitution and NUMA-first core choice (pure)."""
+"""Elastic DoP substitution, the core-list format and the NUMA layout (pure)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.cpu_manager.cores import (
-    CoreLedger,
-    choose_cores,
-    format_cpulist,
-    numa_nodes,
-    parse_cpulist,
-)
+from services.cpu_manager.cpulist import format_cpulist, parse_cpulist
 from services.cpu_manager.dop import substitute_dop, wants_dop
+from services.cpu_manager.numa import numa_layout
 
 
 def test_substitute_dop_replaces_every_token() -> None:
@@ -48,51 +43,26 @@ def test_format_cpulist_is_compact() -> None:
     assert format_cpulist([3, 0, 1, 2, 8, 10, 11]) == "0-3,8,10-11"
 
 
-NODES = [frozenset(range(0, 4)), frozenset(range(4, 8))]
+def test_parse_cpulist_takes_ranges_singles_and_blanks() -> None:
+    assert parse_cpulist(" 0-2, 5,,7-7\n") == {0, 1, 2, 5, 7}
+    assert parse_cpulist("") == frozenset()
 
 
-def test_choose_cores_stays_on_one_numa_node() -> None:
-    assert choose_cores({1, 2, 4, 5, 6}, 3, NODES) == (4, 5, 6)
-
-
-def test_choose_cores_best_fit_keeps_the_big_hole() -> None:
-    assert choose_cores({0, 1, 4, 5, 6, 7}, 2, NODES) == (0, 1)
-
-
-def test_choose_cores_spills_across_nodes_when_it_must() -> None:
-    chosen = choose_cores({2, 3, 5, 6, 7}, 4, NODES)
-    assert chosen is not None
-    assert set(chosen) >= {5, 6, 7}
-    assert len(chosen) == 4
-
-
-def test_choose_cores_none_when_not_enough() -> None:
-    assert choose_cores({1}, 2, NODES) is None
-
-
-@given(st.sets(st.integers(0, 7)), st.integers(1, 8))
-def test_choose_cores_only_picks_free_cores(free: set[int], n: int) -> None:
-    chosen = choose_cores(free, n, NODES)
-    if len(free) < n:
-        assert chosen is None
-    else:
-        assert chosen is not None
-        assert len(set(chosen)) == n
-        assert set(chosen) <= free
-
-
-def test_numa_nodes_read_from_sysfs(tmp_path) -> None:
-    for i, cpus in enumerate(("0-3", "4-7")):
+def _sysfs(tmp_path, *cpulists: str):
+    for i, cpus in enumerate(cpulists):
         (tmp_path / f"node{i}").mkdir()
         (tmp_path / f"node{i}" / "cpulist").write_text(cpus + "\n")
-    assert numa_nodes(tmp_path) == NODES
+    return tmp_path
 
 
-def test_ledger_refuses_shared_cores_and_releases() -> None:
-    ledger = CoreLedger()
-    assert ledger.claim("a", (0, 1)) == []
-    assert ledger.claim("b", (1, 2)) == [1]
-    assert ledger.busy() == {0, 1}
-    ledger.release("a")
-    ledger.release("a")
-    assert ledger.claim("b", (1, 2)) == []
+def test_numa_layout_read_from_sysfs(tmp_path) -> None:
+    sysfs = _sysfs(tmp_path, "0-3", "4-7")
+    assert numa_layout({1, 2, 5}, sysfs) == {0: (1, 2), 1: (5,)}
+
+
+def test_numa_layout_is_one_node_when_sysfs_says_nothing(tmp_path) -> None:
+    assert numa_layout({3, 1}, tmp_path) == {0: (1, 3)}
+
+
+def test_numa_layout_is_one_node_when_a_core_is_on_no_listed_node(tmp_path) -> None:
+    assert numa_layout({0, 1, 9}, _sysfs(tmp_path, "0-1")) == {0: (0, 1, 9)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import sys
 import tempfile
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cpu_manager import executor, executor_client
+from services.cpu_manager.docker import executor, executor_client
 
 PAYLOAD = {"op": "run", "cwd": "/", "timeout_s": 10.0, "cap": 1 << 16}
 
@@ -97,10 +98,17 @@ async def test_dropped_connection_kills_the_command(sock: Path, tmp_path: Path) 
     assert not marker.exists()
 
 
-async def test_missing_command_is_exit_127(sock: Path) -> None:
+async def test_a_command_that_cannot_start_is_reported_by_its_errno(sock: Path) -> None:
     reply = await run(sock, ["/nonexistent/tool"])
-    assert reply.header["exit_code"] == 127
-    assert b"cannot run" in reply.stderr
+    assert reply.header["exit_code"] is None
+    assert reply.header["spawn_errno"] == errno.ENOENT
+    assert reply.header["spawn_filename"] == "/nonexistent/tool"
+
+
+async def test_the_reply_counts_oom_kills_where_the_cgroup_is_readable(sock: Path) -> None:
+    reply = await run(sock, ["true"])
+    readable = executor.oom_kills() is not None
+    assert (reply.header["oom_kills"] is not None) == readable
 
 
 async def test_bad_request_is_refused(sock: Path) -> None:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from services.cpu_manager.backend import ExecRequest
+from services.cpu_manager.backend_api import ExecRequest
 from services.cpu_manager.outcome import to_outcome
-from services.cpu_manager.process_backend import ProcessBackend, ProcessConfig
-from services.scheduler.effects import error_of
+from services.cpu_manager.process.backend import ProcessBackend, ProcessConfig
+from services.scheduler.core.effects import error_of
 from tangram.contract import ErrorKind
 
 

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.dparrange import (
+from services.scheduler.policies.dparrange import (
     BasicOperator,
     ChunkOperator,
     DpTable,
@@ -19,7 +19,7 @@ from services.scheduler.dparrange import (
     greedy_applies,
     take_chunk,
 )
-from services.scheduler.durations import Amdahl
+from services.scheduler.policies.durations import Amdahl
 
 
 @st.composite

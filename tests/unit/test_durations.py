@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.durations import Amdahl, Constant, DurationLearner, Table, resolve
+from services.scheduler.policies.durations import Amdahl, Constant, DurationLearner, Table, resolve
 
 
 def test_amdahl_is_eq_1() -> None:

@@ -1,4 +1,4 @@
-"""Policies: capacity, allowed sets, FCFS prefixes and progress; the multi-resource Algorithm 1."""
+"""Policies: capacity, allowed sets, FCFS prefixes and progress."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler import act_kernel
-from services.scheduler.dparrange import (
+from services.scheduler.policies import act_kernel
+from services.scheduler.policies.base import Running, Waiting, fits_at_min
+from services.scheduler.policies.dparrange import (
     BasicOperator,
     ChunkOperator,
     DpOperator,
@@ -20,19 +21,18 @@ from services.scheduler.dparrange import (
     Task,
     greedy_applies,
 )
-from services.scheduler.durations import Amdahl, resolve
-from services.scheduler.elastic import (
+from services.scheduler.policies.durations import resolve
+from services.scheduler.policies.elastic import (
     ElasticPolicy,
-    FixedDopPolicy,
     Releases,
     Row,
-    TrajectoryStaticPolicy,
     fits_chunks_at_min,
     releases_of,
     spread,
 )
-from services.scheduler.multiresource import Queue, candidates, schedule
-from services.scheduler.policy import Busy, Waiting, fits_at_min, make_policy
+from services.scheduler.policies.fixed import FixedDopPolicy
+from services.scheduler.policies.spec import make_policy
+from services.scheduler.policies.static import TrajectoryStaticPolicy
 
 
 @st.composite
@@ -61,7 +61,7 @@ def waiting_lists(draw: st.DrawFn) -> list[Waiting]:
 
 running_lists = st.lists(
     st.tuples(st.integers(1, 8), st.one_of(st.none(), st.floats(0, 100))), max_size=5
-).map(lambda xs: [Busy(f"r{i}", u, 0.0, e) for i, (u, e) in enumerate(xs)])
+).map(lambda xs: [Running(f"r{i}", u, 0.0, e) for i, (u, e) in enumerate(xs)])
 
 POLICIES = ["min", "elastic", "elastic:3", "fixed-dop:4", "fixed-dop:16"]
 
@@ -70,7 +70,7 @@ POLICIES = ["min", "elastic", "elastic:3", "fixed-dop:4", "fixed-dop:16"]
 @settings(max_examples=60, deadline=None)
 @given(waiting_lists(), st.integers(0, 64), running_lists)
 def test_grants_fit_are_allowed_and_a_prefix(
-    spec: str, waiting: list[Waiting], free: int, running: list[Busy]
+    spec: str, waiting: list[Waiting], free: int, running: list[Running]
 ) -> None:
     grants = make_policy(spec).arrange(waiting, free, free + 8, running, 10.0)
     assert len(grants) <= len(waiting)  # a prefix: nobody behind starts before anyone ahead
@@ -112,7 +112,7 @@ def test_elastic_learns_elasticity_from_completions() -> None:
 def test_elastic_waits_for_a_large_allocation_when_it_comes_soon() -> None:
     """A long scalable action with one core free and 31 coming back in 1 s waits for them."""
     w = [Waiting("a", tuple(range(1, 33)), 0.0, "r", 1000.0, 0.99)]
-    running = [Busy("b", 31, 0.0, expected_end=1.0)]
+    running = [Running("b", 31, 0.0, expected_end=1.0)]
     assert ElasticPolicy().arrange(w, 1, 32, running, 0.0) == []
 
 
@@ -122,7 +122,7 @@ def test_elastic_under_saturation_does_not_start_a_long_scalable_action_on_one_c
     fares better at a higher DoP too. (The estimate of the last version, where each action
     behind took whatever ended soonest for itself, started the head on the one core here.)"""
     w = [Waiting(f"a{i}", tuple(range(1, 33)), 0.0, "r", 400.0, 0.95) for i in range(20)]
-    running = [Busy(f"b{i}", 1, 0.0, expected_end=5.0 * (i + 1)) for i in range(255)]
+    running = [Running(f"b{i}", 1, 0.0, expected_end=5.0 * (i + 1)) for i in range(255)]
     assert ElasticPolicy().arrange(w, 1, 256, running, 0.0) == []
 
 
@@ -142,43 +142,6 @@ def test_trajectory_static_reserves_per_trajectory() -> None:
     assert pol.arrange(later, 4, 4, [], 1.0) == [0, 1]  # t0 runs inside its own reservation
     pol.close_trajectory("t1")
     assert pol.arrange(later, 4, 4, [], 2.0) == [1, 1]
-
-
-@st.composite
-def multi_queues(draw: st.DrawFn) -> tuple[Queue, np.ndarray]:
-    k = draw(st.integers(2, 4))
-    n = draw(st.integers(0, 20))
-    mins = np.array(
-        [[draw(st.integers(0, 3)) for _ in range(k)] for _ in range(n)], dtype=np.int64
-    ).reshape(n, k)
-    key = np.array([draw(st.integers(0, k - 1)) for _ in range(n)], dtype=np.int64)
-    tasks, elastic = [], []
-    for i in range(n):
-        lo = max(1, int(mins[i, key[i]]))
-        mins[i, key[i]] = lo
-        choices = np.arange(lo, lo + draw(st.integers(1, 8)), dtype=np.int64)
-        model = Amdahl(draw(st.floats(1, 100)), draw(st.floats(0, 1)))
-        tasks.append(Task(choices, model.durations(choices)))
-        elastic.append(model.elastic and choices.size > 1)
-    free = np.array([draw(st.integers(0, 24)) for _ in range(k)], dtype=np.int64)
-    return Queue(mins, key, tasks, elastic), free
-
-
-@settings(max_examples=100, deadline=None)
-@given(multi_queues())
-def test_multi_resource_never_exceeds_capacity(qf: tuple[Queue, np.ndarray]) -> None:
-    q, free = qf
-    k = free.size
-    d = schedule(q, free, 0.0, [Releases((), ())] * k)
-    n = candidates(q.mins, free)
-    assert all(i < n for i in d.started)
-    use = np.zeros(k, dtype=np.int64)
-    for i, u in zip(d.started, d.units, strict=True):
-        assert u in q.tasks[i].choices
-        row = q.mins[i].copy()
-        row[q.key[i]] = u
-        use += row
-    assert np.all(use <= free)
 
 
 # --- Reference: Algorithms 1-2 written plainly, as first implemented; the fast path must agree.
@@ -378,7 +341,7 @@ def reference_decide(
     n: int,
     free: int,
     op: DpOperator,
-    running: list[Busy],
+    running: list[Running],
     now: float,
 ) -> tuple[list[int], dict[int, float]]:
     """``ElasticPolicy._decide`` before the fast path: every eviction step from scratch. Returns
@@ -432,7 +395,7 @@ _FRACTIONS = st.sampled_from([0.0, 0.5, 0.9, 0.95, 0.99, 1.0])
 
 
 @st.composite
-def instances(draw: st.DrawFn) -> tuple[list[Waiting], int, list[Busy], float]:
+def instances(draw: st.DrawFn) -> tuple[list[Waiting], int, list[Running], float]:
     waiting = []
     for i in range(draw(st.integers(1, 48))):
         kind = draw(st.sampled_from(["tool", "range", "set", "unknown", "learned", "mean"]))
@@ -453,7 +416,7 @@ def instances(draw: st.DrawFn) -> tuple[list[Waiting], int, list[Busy], float]:
             waiting.append(Waiting(f"a{i}", choices, 0.0, "r", draw(_SECONDS), draw(_FRACTIONS)))
     now = draw(st.sampled_from([0.0, 5.0]))
     running = [
-        Busy(
+        Running(
             f"b{i}",
             draw(st.integers(1, 16)),
             0.0,
@@ -475,7 +438,7 @@ def _learned_policy(policy: ElasticPolicy) -> ElasticPolicy:
 @settings(max_examples=300, deadline=None)
 @given(instances(), st.integers(1, 3), st.sampled_from([0, 4, 64]))
 def test_fast_arrange_grants_exactly_what_the_reference_grants(
-    inst: tuple[list[Waiting], int, list[Busy], float], depth: int, horizon: int
+    inst: tuple[list[Waiting], int, list[Running], float], depth: int, horizon: int
 ) -> None:
     waiting, free, running, now = inst
     policy = _learned_policy(ElasticPolicy(depth=depth, horizon=horizon))
@@ -488,7 +451,7 @@ def test_fast_arrange_grants_exactly_what_the_reference_grants(
 @settings(max_examples=60, deadline=None)
 @given(instances(), st.tuples(*[st.integers(0, 2)] * 4))
 def test_fast_arrange_chunks_grants_exactly_what_the_reference_grants(
-    inst: tuple[list[Waiting], int, list[Busy], float], chunks: tuple[int, int, int, int]
+    inst: tuple[list[Waiting], int, list[Running], float], chunks: tuple[int, int, int, int]
 ) -> None:
     waiting, _, running, now = inst
     waiting = [w for w in waiting if w.choices[-1] <= 8]

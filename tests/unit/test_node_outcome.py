@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.cpu_manager.backend import EnvFailure, ExecOutcome
+from services.cpu_manager.backend_api import ExecOutcome
 from services.cpu_manager.outcome import to_outcome
 from services.gateway.formulation import Limits, formulate
-from services.scheduler.effects import completed
+from services.scheduler.core.effects import completed
 from tangram.contract import ActionResult, ActionSpec, Allocation, ErrorKind, ExecAction
 
 ACTION = formulate(
@@ -26,7 +26,7 @@ def to_result(
     )
 
 
-def outcome(code: int | None, failure: EnvFailure | None = None) -> ExecOutcome:
+def outcome(code: int | None, failure: ErrorKind | None = None) -> ExecOutcome:
     return ExecOutcome(code, b"out\xff", b"", True, False, 2.0, 3.5, failure, "why")
 
 
@@ -50,18 +50,18 @@ def test_success_and_own_failure():
 
 
 @pytest.mark.parametrize(
-    ("failure", "kind"),
+    "kind",
     [
-        (EnvFailure.EXEC_TIMEOUT, ErrorKind.EXEC_TIMEOUT),
-        (EnvFailure.OOM_KILLED, ErrorKind.OOM_KILLED),
-        (EnvFailure.ENVIRONMENT_LOST, ErrorKind.ENVIRONMENT_LOST),
-        (EnvFailure.BACKEND_DOWN, ErrorKind.BACKEND_UNAVAILABLE),
-        (EnvFailure.IMAGE_MISSING, ErrorKind.IMAGE_MISSING),
-        (EnvFailure.INTERNAL, ErrorKind.INTERNAL),
+        ErrorKind.EXEC_TIMEOUT,
+        ErrorKind.OOM_KILLED,
+        ErrorKind.ENVIRONMENT_LOST,
+        ErrorKind.BACKEND_UNAVAILABLE,
+        ErrorKind.IMAGE_MISSING,
+        ErrorKind.INTERNAL,
     ],
 )
-def test_infrastructure_failures_are_masked(failure: EnvFailure, kind: ErrorKind):
-    res = to_result(outcome(None, failure), None, "n0", (0,))
+def test_infrastructure_failures_are_masked(kind: ErrorKind):
+    res = to_result(outcome(None, kind), None, "n0", (0,))
     assert res.status == "failed"
     assert res.error is not None
     assert res.error.kind is kind
@@ -69,8 +69,8 @@ def test_infrastructure_failures_are_masked(failure: EnvFailure, kind: ErrorKind
 
 
 def test_a_kill_on_request_reports_its_reason():
-    res = to_result(outcome(-9, EnvFailure.KILLED), ErrorKind.CANCELLED, "n0", (0,))
+    res = to_result(outcome(-9, ErrorKind.CANCELLED), ErrorKind.CANCELLED, "n0", (0,))
     assert res.status == "cancelled"
-    died = to_result(outcome(-9, EnvFailure.KILLED), ErrorKind.NODE_DIED, "n0", (0,))
+    died = to_result(outcome(-9, ErrorKind.CANCELLED), ErrorKind.NODE_DIED, "n0", (0,))
     assert died.error is not None
     assert died.error.kind is ErrorKind.NODE_DIED

@@ -7,15 +7,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.core import CoreConfig, Env, SchedulerCore
-from services.scheduler.cores import pick_cores
-from services.scheduler.effects import (
+from services.scheduler.core.books import EnvPlacement
+from services.scheduler.core.effects import (
     DropEnvOnNode,
     EnvChanged,
     Finish,
     KillOnNode,
     StartOnNode,
 )
+from services.scheduler.core.placement import pick_cores
+from services.scheduler.core.scheduler import CoreConfig, SchedulerCore
 from tangram.contract import (
     ActionResult,
     Completion,
@@ -184,8 +185,8 @@ def test_a_new_trajectory_is_not_starved_by_busy_old_ones():
 def test_restart_adopts_what_nodes_report_and_redoes_what_they_never_got():
     core = SchedulerCore()
     a, b = action("a", "t"), action("b", "u")
-    core.restore_env(Env("t", "j", "n0", "i0", 100))
-    core.restore_env(Env("u", "j", "n0", "i0", 100))
+    core.restore_env(EnvPlacement("t", "j", "n0", "i0", 100))
+    core.restore_env(EnvPlacement("u", "j", "n0", "i0", 100))
     core.restore_running(msgspec.structs.replace(a, attempt=1), "n0", "i0", (0,), 0.0)
     core.restore_running(msgspec.structs.replace(b, attempt=1), "n0", "i0", (1,), 0.0)
     core.hold_until(1.0)

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.scheduler.simkube import KubeConfig, KubeEngine, water_fill
-from services.scheduler.simpools import SimAction
-from services.scheduler.simulator import Cluster, build_trace, simulate
-from services.scheduler.traces import Step, Trajectory
+from services.scheduler.sim.engines import SimAction
+from services.scheduler.sim.kube import KubeConfig, KubeEngine, water_fill
+from services.scheduler.sim.simulator import Cluster, build_trace, simulate
+from services.scheduler.sim.traces import Step, Trajectory
 
 
 @given(st.lists(st.floats(0.0, 64.0), max_size=40), st.floats(0.5, 256.0))

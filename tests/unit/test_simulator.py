@@ -6,10 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from services.scheduler.policy import make_policy
-from services.scheduler.simpools import CoreEngine, SimAction
-from services.scheduler.simulator import Cluster, SimResult, build_trace, main, simulate
-from services.scheduler.traces import CodingConfig, ai_coding, busy_fraction, dump, load
+from services.scheduler.core.effects import StartOnNode
+from services.scheduler.core.scheduler import SchedulerCore
+from services.scheduler.policies.spec import make_policy
+from services.scheduler.sim.engines import SimAction, sim_node, unified
+from services.scheduler.sim.simulator import Cluster, SimResult, build_trace, main, simulate
+from services.scheduler.sim.traces import CodingConfig, ai_coding, busy_fraction, dump, load
+from tangram.contract import Completion, Outcome
 
 SMALL = Cluster(nodes=2, cores_per_node=32)
 
@@ -67,32 +70,60 @@ def test_the_coding_trace_keeps_environments_busy_about_half_of_their_life() -> 
 
 
 def replay(result: SimResult, policy: str) -> list[tuple[float, str, int]]:
-    """Feed the recorded submits and completions to a fresh core, as the live shell does."""
+    """Feed the recorded submits and completions to a bare core as the live shell does: the
+    gateway's action, the node's ``Completion``, ``close_env`` at a trajectory's end, then one
+    scheduling pass per instant. The policy's hooks (what it learns from completions, its
+    per-pool reservations) are reached only through the core, in both runs."""
     trace = {t.trajectory_id: t for t in build_trace("coding", 30, seed=5)}
+    core = SchedulerCore(make_policy(policy))
+    for n in range(SMALL.nodes):
+        core.node_report(sim_node(f"node-{n}", SMALL.cores_per_node, 2), 0.0)
     events: list[tuple[float, int, str]] = []
     for r in result.records:
         events += [(r.submitted_at, 0, r.action_id), (r.finished_at, 1, r.action_id)]
-    engine = CoreEngine(make_policy(policy), SMALL.nodes, SMALL.cores_per_node)
-    decisions: list[tuple[float, str, int]] = []
     by_time: dict[float, list[tuple[int, str]]] = {}
     for t, kind, aid in events:
         by_time.setdefault(t, []).append((kind, aid))
+    running: dict[str, tuple[StartOnNode, float]] = {}
+    decisions: list[tuple[float, str, int]] = []
     for t in sorted(by_time):
         for kind, aid in sorted(by_time[t], key=lambda e: -e[0]):  # completions first
             tid, _, idx = aid.rpartition("#")
             if kind == 0:
-                engine.submit(SimAction(aid, tid, trace[tid].steps[int(idx)], t), t)
-            else:
-                engine.complete(aid, t)
-                if int(idx) == len(trace[tid].steps) - 1:
-                    engine.close(tid, t)
-        decisions += [(t, aid, units) for aid, units in engine.schedule(t)]
+                core.enqueue(unified(SimAction(aid, tid, trace[tid].steps[int(idx)], t)), t)
+                continue
+            if aid not in running:
+                return decisions  # the core did not start it: the runs already differ
+            start, t0 = running.pop(aid)
+            core.complete(completion(start, t0, t), t)
+            if int(idx) == len(trace[tid].steps) - 1:
+                core.close_env(tid, t)
+        for e in core.schedule(t):
+            if isinstance(e, StartOnNode):
+                running[e.action.spec.action_id] = (e, t)
+                decisions.append((t, e.action.spec.action_id, len(e.cores)))
     return decisions
 
 
-@pytest.mark.parametrize("policy", ["min", "elastic", "fixed-dop:4"])
+def completion(start: StartOnNode, t0: float, now: float) -> Completion:
+    outcome = Outcome(exit_code=0, started_at=t0, finished_at=now)
+    return Completion(
+        node_id=start.node_id,
+        incarnation=start.incarnation,
+        action_id=start.action.spec.action_id,
+        attempt=start.action.attempt,
+        outcome=outcome,
+    )
+
+
+@pytest.mark.parametrize("policy", ["min", "elastic", "fixed-dop:4", "trajectory-static:2"])
 def test_replay_through_the_core_makes_the_same_decisions(policy: str) -> None:
-    result = simulate(build_trace("coding", 30, seed=5), policy, SMALL)
+    """The simulator drives the live code: the same decisions from the same messages. Elastic
+    covers ``Learns`` (tool durations are learned, not hinted), trajectory-static ``PerPool``
+    (reservations per node, released by ``close_env``)."""
+    trace = build_trace("coding", 30, seed=5)
+    result = simulate(trace, policy, SMALL, pods=False)
+    assert len(result.records) == sum(len(t.steps) for t in trace), "not every action ended"
     assert replay(result, policy) == result.decisions
 
 

@@ -26,6 +26,7 @@ from tangram.contract.agent import (
     NodeReport,
     NumaCores,
     Outcome,
+    Progress,
     Reconcile,
     RunningAction,
 )
@@ -131,6 +132,7 @@ __all__ = [
     "Outcome",
     "Pending",
     "PosSeconds",
+    "Progress",
     "Reconcile",
     "RunningAction",
     "SchedulerRequest",

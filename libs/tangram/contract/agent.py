@@ -6,7 +6,7 @@ scheduler alone turns them into the user's ``ActionResult``.
 
 from __future__ import annotations
 
-from tangram.contract.base import NodeId, _Msg
+from tangram.contract.base import NodeId, Timestamp, _Msg
 from tangram.contract.errors import ErrorKind
 from tangram.contract.scheduler import UnifiedAction
 
@@ -59,6 +59,15 @@ class Completion(_Msg, tag="completion"):
     outcome: Outcome
 
 
+class Progress(_Msg):
+    """Facts for a health detector: how many dispatches this incarnation started and how many
+    of those ended, and when either last happened (the agent's wall clock, seconds)."""
+
+    started: int = 0
+    finished: int = 0
+    last_progress_at: Timestamp | None = None
+
+
 class NodeReport(_Msg, tag="node_report"):
     """Registration and heartbeat of a node agent: who it is, what runs there, what it holds."""
 
@@ -69,6 +78,7 @@ class NodeReport(_Msg, tag="node_report"):
     envs: tuple[str, ...] = ()
     seq: int = 0
     full: bool = False
+    progress: Progress | None = None
 
 
 class EnvExpired(_Msg, tag="env_expired"):

@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from engine import Engine, EngineUnavailable, LocalDockerd
 
-from services.cpu_manager.docker_backend import DockerBackend
-from services.cpu_manager.docker_config import DockerConfig
+from services.cpu_manager.docker.backend import DockerBackend
+from services.cpu_manager.docker.config import DockerConfig
 
 
 @pytest.fixture(scope="session")
@@ -45,10 +45,10 @@ def docker_config(docker_engine: Engine, tmp_path: Path) -> Callable[..., Docker
             "docker_host": docker_engine.host,
             "node_id": f"t{uuid.uuid4().hex[:8]}",
             "incarnation": uuid.uuid4().hex[:8],
-            "default_image": docker_engine.image,
+            "image": docker_engine.image,
             "mounts": docker_engine.mounts,
             "warm_pool": 0,
-            "memory_mb": 256,
+            "pool_memory_mb": 256,
         }
         base.update(overrides)
         return DockerConfig(**base)

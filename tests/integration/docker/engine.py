@@ -23,8 +23,8 @@ from pathlib import Path
 
 import docker
 
-from services.cpu_manager.docker_engine import HOST_SYSTEM_DIRS, probe
-from services.cpu_manager.sandbox_image import rootfs_tar
+from services.cpu_manager.docker.engine import HOST_SYSTEM_DIRS, probe
+from services.cpu_manager.docker.sandbox_image import rootfs_tar
 
 IMAGE = "tangram-test:latest"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from services.cpu_manager.backend import ExecOutcome, ExecRequest
+from services.cpu_manager.backend_api import ExecOutcome, ExecRequest
 
 
 def request_for(

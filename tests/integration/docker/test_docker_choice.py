@@ -15,9 +15,9 @@ import pytest
 from engine import Engine
 from exec_requests import ok, request_for
 
-from services.cpu_manager import sandbox_image
-from services.cpu_manager.backends import choose
-from services.cpu_manager.config import CpuManagerConfig
+from services.cpu_manager.choice import choose
+from services.cpu_manager.config import CpuManagerConfig, load_own
+from services.cpu_manager.docker import sandbox_image
 from tangram.errors import Unavailable
 
 pytestmark = pytest.mark.docker
@@ -33,8 +33,8 @@ def _remove_image(host: str, tag: str) -> None:
         api.close()
 
 
-def _cfg(engine: Engine, **fields: object) -> CpuManagerConfig:
-    return CpuManagerConfig(docker_host=engine.host, **fields)  # type: ignore[arg-type]
+def _cfg(engine: Engine, image: str = sandbox_image.TAG, backend: str = "auto") -> CpuManagerConfig:
+    return load_own({"docker_host": engine.host, "image": image, "backend": backend}, environ={})
 
 
 async def test_missing_default_image_is_built_and_runs_without_configured_mounts(
@@ -48,7 +48,7 @@ async def test_missing_default_image_is_built_and_runs_without_configured_mounts
     assert built.backend == "docker", built.line
     assert "built just now" in built.line
     assert "\n" not in built.line
-    backend = await backend_factory(default_image=sandbox_image.TAG, mounts=())
+    backend = await backend_factory(image=sandbox_image.TAG, mounts=())
     out = ok(await backend.run(request_for("traj-sb", ["python3", "-c", "print('py ok')"])))
     assert out == "py ok\n"
     lock = "touch /usr/x 2>/dev/null && echo usr-writable || echo usr-ro; ls /sys/class/net"
@@ -66,7 +66,7 @@ async def test_a_custom_missing_image_is_never_built(docker_engine: Engine) -> N
 
 
 async def test_no_engine_means_process_and_says_so(tmp_path: Path) -> None:
-    cfg = CpuManagerConfig(docker_host=f"unix://{tmp_path}/none.sock")
+    cfg = load_own({"docker_host": f"unix://{tmp_path}/none.sock"}, environ={})
     choice = await choose(cfg, build_image=True)
     assert choice.backend == "process"
     assert choice.line.startswith("process backend (no Docker engine answers at unix://")

@@ -9,9 +9,9 @@ import pytest
 from engine import build_shell_only_image
 from exec_requests import ok, request_for
 
-from services.cpu_manager.backend import EnvFailure
-from services.cpu_manager.docker_backend import DockerBackend
-from services.cpu_manager.docker_engine import Engine
+from services.cpu_manager.docker.backend import DockerBackend
+from services.cpu_manager.docker.engine import Engine
+from tangram.contract import ErrorKind
 
 pytestmark = pytest.mark.docker
 
@@ -47,7 +47,7 @@ async def test_cap_per_node_refuses_a_new_environment(backend_factory) -> None:
     for tid in ("cap-1", "cap-2"):
         ok(await backend.run(request_for(tid, "true")))
     refused = await backend.run(request_for("cap-3", "true"))
-    assert refused.failure is EnvFailure.BACKEND_DOWN
+    assert refused.failure is ErrorKind.BACKEND_UNAVAILABLE
     assert "cap of 2" in refused.detail
     ok(await backend.run(request_for("cap-1", "true")))  # existing envs still run
     await backend.drop_env("cap-2")
@@ -68,9 +68,9 @@ async def test_close_removes_every_container(backend_factory) -> None:
 
 
 async def test_warm_pool_serves_first_action_and_refills(backend_factory) -> None:
-    backend = await backend_factory(warm_pool=2, memory_mb=256)
+    backend = await backend_factory(warm_pool=2, pool_memory_mb=256)
     await backend.pool.wait_full(timeout_s=30)
-    pooled = {env.container_id for env in backend.pool._ready[backend.cfg.default_image]}
+    pooled = {env.container_id for env in backend.pool._ready[backend.cfg.image]}
     limit = "cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/memory.max 2>/dev/null"
     out = ok(await backend.run(request_for("warm-0", limit + "; true", memory_mb=128)))
     assert int(out.split()[0]) == 128 * 2**20  # the pool container got the trajectory's memory
@@ -85,7 +85,7 @@ async def test_warm_pool_serves_first_action_and_refills(backend_factory) -> Non
 async def test_a_dead_pool_container_is_replaced(backend_factory) -> None:
     backend = await backend_factory(warm_pool=1)
     await backend.pool.wait_full(timeout_s=30)
-    dead = backend.pool._ready[backend.cfg.default_image][0]
+    dead = backend.pool._ready[backend.cfg.image][0]
     await backend.call(backend.engine.api.kill, dead.container_id)
     ok(await backend.run(request_for("traj-after-dead-pool", "true")))
     assert backend.env("traj-after-dead-pool").container_id != dead.container_id
@@ -99,13 +99,13 @@ async def test_drop_env_under_a_running_action_reports_a_kill(backend: DockerBac
     await asyncio.sleep(0)  # one turn of the loop: the action is registered
     await backend.drop_env("traj-dr")
     out = await asyncio.wait_for(running, 15)
-    assert out.failure is EnvFailure.KILLED
+    assert out.failure is ErrorKind.CANCELLED
     ok(await backend.run(request_for("traj-dr", "true")))  # a fresh environment, no "lost"
 
 
 async def test_an_action_without_cores_is_refused(backend: DockerBackend) -> None:
     out = await backend.run(request_for("traj-nc", "true", ()))
-    assert out.failure is EnvFailure.INTERNAL
+    assert out.failure is ErrorKind.INTERNAL
 
 
 async def _creating(backend: DockerBackend, trajectory_id: str) -> None:
@@ -119,7 +119,7 @@ async def test_kill_while_the_container_is_being_made(backend: DockerBackend) ->
     await _creating(backend, "traj-kc")
     assert await backend.kill(req.action_id)
     out = await asyncio.wait_for(running, 30)
-    assert out.failure is EnvFailure.KILLED, (out.failure, out.detail)
+    assert out.failure is ErrorKind.CANCELLED, (out.failure, out.detail)
     assert out.exit_code is None
     after = await backend.run(request_for("traj-kc", "test -e /work/ran"))
     assert after.failure is None
@@ -131,7 +131,7 @@ async def test_drop_env_while_the_container_is_being_made(backend: DockerBackend
     await _creating(backend, "traj-dc")
     await backend.drop_env("traj-dc")
     out = await asyncio.wait_for(running, 30)
-    assert out.failure is EnvFailure.KILLED, (out.failure, out.detail)
+    assert out.failure is ErrorKind.CANCELLED, (out.failure, out.detail)
     assert "traj-dc" not in backend.envs()
     assert await backend.call(backend.engine.containers, True) == []  # nothing lingers
 
@@ -144,7 +144,7 @@ async def test_executor_that_cannot_start_falls_back_to_docker_exec(
         image = await asyncio.to_thread(
             build_shell_only_image, docker_engine.host, "tangram-nopython:latest"
         )
-        backend = await backend_factory(exec_mode="executor", default_image=image, mounts=())
+        backend = await backend_factory(exec_mode="executor", image=image, mounts=())
     else:  # `sh -I executor.py` exits at once, as an interpreter too old to run it would
         backend = await backend_factory(exec_mode="executor", python="sh")
     assert ok(await backend.run(request_for("traj-np", "echo hi > /work/f; cat /work/f"))) == "hi\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import signal
@@ -12,19 +13,21 @@ import pytest
 from engine import LocalDockerd
 from exec_requests import ok, request_for
 
-from services.cpu_manager.backend import EnvFailure
-from services.cpu_manager.docker_backend import DockerBackend
-from services.cpu_manager.docker_config import DockerConfig
+from services.cpu_manager.docker.backend import DockerBackend
+from services.cpu_manager.docker.config import DockerConfig
+from services.cpu_manager.process.backend import ProcessBackend, ProcessConfig
+from tangram.contract import ErrorKind
 
 pytestmark = pytest.mark.docker
 
+CPUS = sorted(os.sched_getaffinity(0))
 COUNT_SLEEPS = "ls -l /proc/*/exe 2>/dev/null | grep -c /sleep || true"
 
 
 async def test_timeout_kills_the_whole_process_group(backend: DockerBackend) -> None:
     t0 = time.monotonic()
     out = await backend.run(request_for("traj-t", "sleep 30 & sleep 30", timeout_s=1.0))
-    assert out.failure is EnvFailure.EXEC_TIMEOUT
+    assert out.failure is ErrorKind.EXEC_TIMEOUT
     assert time.monotonic() - t0 < 5
     if backend.cfg.exec_mode == "executor":  # docker exec leaves the background child behind
         assert ok(await backend.run(request_for("traj-t", COUNT_SLEEPS))).strip() == "0"
@@ -38,7 +41,7 @@ async def test_kill_on_request(backend: DockerBackend) -> None:
     await asyncio.sleep(0)  # one turn of the loop: the action is registered, not yet started
     assert await backend.kill(req.action_id)
     out = await asyncio.wait_for(running, 10)
-    assert out.failure is EnvFailure.KILLED
+    assert out.failure is ErrorKind.CANCELLED
     assert time.monotonic() - t0 < 5
 
 
@@ -58,10 +61,29 @@ async def test_command_failure_is_not_an_infrastructure_failure(backend: DockerB
     assert out.stderr == b"oops\n"
 
 
+@pytest.mark.parametrize(
+    ("program", "code"),
+    [("tangram-no-such-program", 127), ("/nonexistent/prog", 127), ("/etc/passwd", 126)],
+)
+async def test_a_program_that_cannot_start_is_reported_as_the_process_backend_does(
+    backend: DockerBackend, tmp_path, program: str, code: int
+) -> None:
+    req = request_for("traj-spawn", [program, "--flag"], (min(CPUS),))
+    async with contextlib.AsyncExitStack() as stack:
+        process = ProcessBackend(ProcessConfig(root=tmp_path / "process"))
+        await process.start()
+        stack.push_async_callback(process.close)
+        expected = await process.run(req)
+    out = await backend.run(req)
+    assert (out.failure, out.exit_code, out.stderr) == (None, code, expected.stderr)
+    assert (expected.failure, expected.exit_code) == (None, code)
+    ok(await backend.run(request_for("traj-spawn", "true")))  # the environment is fine
+
+
 async def test_oom_is_reported_and_the_environment_survives(backend: DockerBackend) -> None:
     hog = "x = bytearray(400 * 2**20); print(len(x))"
     out = await backend.run(request_for("traj-oom", ["python3", "-c", hog], memory_mb=64))
-    assert out.failure is EnvFailure.OOM_KILLED, (out.exit_code, out.detail, out.stderr)
+    assert out.failure is ErrorKind.OOM_KILLED, (out.exit_code, out.detail, out.stderr)
     ok(await backend.run(request_for("traj-oom", "true", memory_mb=64)))
 
 
@@ -69,7 +91,7 @@ async def test_container_killed_from_outside_is_reported(backend: DockerBackend)
     ok(await backend.run(request_for("traj-v", "echo 1 > /work/f")))
     await backend.call(backend.engine.api.kill, backend.env("traj-v").container_id)
     lost = await backend.run(request_for("traj-v", "cat /work/f"))
-    assert lost.failure is EnvFailure.ENVIRONMENT_LOST
+    assert lost.failure is ErrorKind.ENVIRONMENT_LOST
     assert "traj-v" not in backend.envs()
     fresh = await backend.run(request_for("traj-v", "cat /work/f"))
     assert fresh.failure is None
@@ -82,16 +104,16 @@ async def test_hung_executor_times_out_and_the_next_action_says_lost(backend_fac
     state = await backend.call(backend.engine.state, backend.env("traj-h").container_id)
     os.kill(int(state["Pid"]), signal.SIGSTOP)  # the executor stops answering
     hung = await backend.run(request_for("traj-h", "true", timeout_s=0.5))
-    assert hung.failure is EnvFailure.EXEC_TIMEOUT
+    assert hung.failure is ErrorKind.EXEC_TIMEOUT
     assert "hung" in hung.detail
     lost = await backend.run(request_for("traj-h", "true"))
-    assert lost.failure is EnvFailure.ENVIRONMENT_LOST
+    assert lost.failure is ErrorKind.ENVIRONMENT_LOST
     ok(await backend.run(request_for("traj-h", "true")))
 
 
 async def test_missing_image(backend: DockerBackend) -> None:
     out = await backend.run(request_for("traj-i", "true", image="tangram-nope:absent"))
-    assert out.failure is EnvFailure.IMAGE_MISSING
+    assert out.failure is ErrorKind.IMAGE_MISSING
     assert "traj-i" not in backend.envs()
 
 
@@ -99,9 +121,9 @@ async def test_unreachable_daemon_at_start(docker_config) -> None:
     backend = DockerBackend(docker_config(docker_host="unix:///nonexistent/docker.sock"))
     with pytest.raises(Exception, match="unreachable") as info:
         await backend.start()
-    assert info.value.failure is EnvFailure.BACKEND_DOWN
+    assert info.value.failure is ErrorKind.BACKEND_UNAVAILABLE
     out = await backend.run(request_for("traj-u", "true"))
-    assert out.failure is EnvFailure.BACKEND_DOWN
+    assert out.failure is ErrorKind.BACKEND_UNAVAILABLE
     await backend.close()
 
 
@@ -111,15 +133,17 @@ async def test_unreachable_daemon_at_start(docker_config) -> None:
 async def test_daemon_dying_under_the_backend(docker_config) -> None:
     local = LocalDockerd()
     engine = await asyncio.to_thread(local.start)
-    backend = DockerBackend(docker_config(docker_host=engine.host, default_image=engine.image))
+    backend = DockerBackend(docker_config(docker_host=engine.host, image=engine.image))
     try:
         await backend.start()
         ok(await backend.run(request_for("traj-dd", "true")))
         await asyncio.to_thread(local.stop)
         out = await backend.run(request_for("traj-new", "true"))
-        assert out.failure is EnvFailure.BACKEND_DOWN, out.detail
+        assert out.failure is ErrorKind.BACKEND_UNAVAILABLE, out.detail
         out = await backend.run(request_for("traj-dd", "true"))
-        assert out.failure in (EnvFailure.BACKEND_DOWN, EnvFailure.ENVIRONMENT_LOST), out.detail
+        assert out.failure in (ErrorKind.BACKEND_UNAVAILABLE, ErrorKind.ENVIRONMENT_LOST), (
+            out.detail
+        )
     finally:
         await backend.close()
         await asyncio.to_thread(local.stop)
@@ -148,7 +172,7 @@ async def test_container_removed_from_outside_is_replaced(backend_factory, mode)
     gone = backend.env("traj-rm")
     await backend.call(backend.engine.remove, gone.container_id)
     lost = await backend.run(request_for("traj-rm", "cat /work/f"))
-    assert lost.failure is EnvFailure.ENVIRONMENT_LOST, (lost.failure, lost.detail)
+    assert lost.failure is ErrorKind.ENVIRONMENT_LOST, (lost.failure, lost.detail)
     assert "traj-rm" not in backend.envs()
     fresh = await backend.run(request_for("traj-rm", "cat /work/f"))  # told once, then replaced
     assert fresh.failure is None, fresh.detail
@@ -164,7 +188,7 @@ async def test_oom_is_reported_when_the_cgroup_is_not_visible(
     hog = "x = bytearray(400 * 2**20); print(len(x))"
     out = await backend.run(request_for("traj-oom-nc", ["python3", "-c", hog], memory_mb=64))
     assert backend.env("traj-oom-nc").cgroup is None
-    assert out.failure is EnvFailure.OOM_KILLED, (out.exit_code, out.detail, out.stderr)
+    assert out.failure is ErrorKind.OOM_KILLED, (out.exit_code, out.detail, out.stderr)
     ok(await backend.run(request_for("traj-oom-nc", "true", memory_mb=64)))
     exited = await backend.run(request_for("traj-oom-nc", "kill -9 $$", memory_mb=64))
     assert exited.failure is None  # a SIGKILL that is not the OOM killer stays the command's own
@@ -178,9 +202,9 @@ async def test_hung_docker_exec_is_an_exec_timeout(backend_factory) -> None:
     hang = "(sleep 60 &) ; sleep 60"
     t0 = time.monotonic()
     hung = await backend.run(request_for("traj-hx", hang, timeout_s=0.5))
-    assert hung.failure is EnvFailure.EXEC_TIMEOUT, (hung.failure, hung.detail)
+    assert hung.failure is ErrorKind.EXEC_TIMEOUT, (hung.failure, hung.detail)
     assert "hung" in hung.detail
     assert time.monotonic() - t0 < 10
     lost = await backend.run(request_for("traj-hx", "true"))
-    assert lost.failure is EnvFailure.ENVIRONMENT_LOST
+    assert lost.failure is ErrorKind.ENVIRONMENT_LOST
     ok(await backend.run(request_for("traj-hx", "true")))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from exec_requests import ok, request_for
 
-from services.cpu_manager.backend import EnvFailure
-from services.cpu_manager.docker_backend import DockerBackend
+from services.cpu_manager.docker.backend import DockerBackend
+from tangram.contract import ErrorKind
 
 pytestmark = pytest.mark.docker
 
@@ -91,6 +91,6 @@ async def test_a_planted_socket_is_not_trusted(backend_factory) -> None:
     )
     ok(await backend.run(request_for("traj-plant", ["python3", "-c", script], timeout_s=5)))
     out = await backend.run(request_for("traj-plant", "true"))
-    assert out.failure is EnvFailure.ENVIRONMENT_LOST
+    assert out.failure is ErrorKind.ENVIRONMENT_LOST
     assert "not served by the container's executor" in out.detail
     assert backend.env("traj-plant") is not env

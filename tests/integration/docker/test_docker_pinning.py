@@ -8,9 +8,10 @@ import os
 import pytest
 from exec_requests import ok, request_for
 
-from services.cpu_manager.backend import EnvFailure
-from services.cpu_manager.cgroup import PARK_QUOTA_US
-from services.cpu_manager.docker_backend import DockerBackend
+from services.cpu_manager.action_env import tangram_vars
+from services.cpu_manager.cpulist import format_cpulist
+from services.cpu_manager.docker.backend import DockerBackend
+from services.cpu_manager.docker.cgroup import PARK_QUOTA_US
 
 pytestmark = pytest.mark.docker
 
@@ -70,6 +71,14 @@ async def test_dop_and_core_env_vars(backend: DockerBackend) -> None:
     assert out.split() == [str(len(cores)), _cpulist(cores)]
 
 
+async def test_tangram_variables_are_the_shared_ones_and_cannot_be_forged(backend: DockerBackend):
+    forged = {"TANGRAM_CORES": "99", "TANGRAM_DOP": "64", "MINE": "1"}
+    req = request_for("traj-vars", "env | grep ^TANGRAM_ | sort; echo $MINE", env=forged)
+    out = ok(await backend.run(req)).splitlines()
+    expected = sorted(f"{k}={v}" for k, v in tangram_vars(req, backend.cfg.node_id).items())
+    assert out == [*expected, "1"]
+
+
 async def test_two_trajectories_never_share_a_core(backend: DockerBackend) -> None:
     if len(CPUS) < 2:
         pytest.skip("needs two cores")
@@ -89,22 +98,10 @@ async def test_two_trajectories_never_share_a_core(backend: DockerBackend) -> No
     assert ran_b == {CPUS[1]}
 
 
-async def test_a_core_held_by_one_action_is_refused_to_another(backend: DockerBackend) -> None:
-    ok(await backend.run(request_for("traj-x", "true", (CPUS[0],))))
-    slow = asyncio.ensure_future(backend.run(request_for("traj-x", "sleep 1", (CPUS[0],))))
-    await asyncio.sleep(0)  # one turn of the loop: its cores are claimed
-    clash = await backend.run(request_for("traj-y", "true", (CPUS[0],)))
-    assert clash.failure is EnvFailure.INTERNAL
-    assert "held by another action" in clash.detail
-    ok(await slow)
-
-
 def _ran_on(stdout: str) -> set[int]:
     _affinity, ran = stdout.strip().split("] [")
     return {int(c) for c in ran.strip("[]").split(",") if c.strip()}
 
 
 def _cpulist(cores: tuple[int, ...]) -> str:
-    from services.cpu_manager.cores import format_cpulist
-
     return format_cpulist(cores)

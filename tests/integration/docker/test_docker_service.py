@@ -11,12 +11,11 @@ import pytest
 from exec_requests import ok, request_for
 
 from services.cpu_manager.config import CpuManagerConfig
-from services.cpu_manager.docker_backend import DockerBackend
-from services.cpu_manager.docker_config import DockerConfig
-from services.cpu_manager.service import CpuManager
+from services.cpu_manager.docker.backend import DockerBackend
+from services.cpu_manager.docker.config import DockerConfig
+from services.cpu_manager.service import node_agent
 from tangram import subjects
 from tangram.bus import Bus
-from tangram.config import MeshConfig
 from tangram.contract import Ack, EnvExpired, NodeMessage
 from tangram.embedded import EmbeddedNats
 
@@ -50,6 +49,15 @@ async def scheduler_inbox(nats_url: str) -> AsyncIterator[asyncio.Queue[Any]]:
         await bus.close()
 
 
+@pytest.fixture
+async def agent_bus(nats_url: str) -> AsyncIterator[Bus]:
+    bus = await Bus.connect(nats_url, "cpu-agent")
+    try:
+        yield bus
+    finally:
+        await bus.close()
+
+
 async def _expired(inbox: asyncio.Queue[Any]) -> EnvExpired:
     async with asyncio.timeout(15):
         while not isinstance(msg := await inbox.get(), EnvExpired):
@@ -60,13 +68,14 @@ async def _expired(inbox: asyncio.Queue[Any]) -> EnvExpired:
 async def test_idle_ttl_removes_the_container(
     nats_url: str,
     scheduler_inbox: asyncio.Queue[Any],
+    agent_bus: Bus,
     docker_config: Callable[..., DockerConfig],
     tmp_path: Path,
 ) -> None:
     dcfg = docker_config()
     backend = DockerBackend(dcfg)
     cfg = CpuManagerConfig(node_id=dcfg.node_id, state_dir=str(tmp_path), env_ttl_s=0.5)
-    async with CpuManager(MeshConfig(nats_url=nats_url), cfg, backend):
+    async with node_agent(agent_bus, cfg, backend):
         ok(await backend.run(request_for("traj-idle", "echo x > /work/f")))
         env = backend.env("traj-idle")
         assert env is not None

@@ -1,0 +1,393 @@
+"""The node agent's pure core: the agent half of the scheduler <-> agent protocol.
+
+No I/O and no clock of its own: every method takes ``now`` (the agent's wall clock, seconds)
+and returns effects for the shell to carry out, in order. It owns the facts of one agent
+incarnation: which actions run here and on which granted units (opaque ids, cores on a CPU
+node), which completions await the scheduler's ack, and the progress counters heartbeats
+carry. Decisions made here, once for every kind of agent:
+
+- fencing: a command with an epoch older than one already seen is refused (a deposed
+  scheduler cannot start or kill work); a newer epoch is adopted. A dispatch meant for
+  another incarnation is refused.
+- duplicates: a dispatch of an action running here or awaiting its ack is ignored.
+- overlap: a dispatch granted a unit that a running action holds is refused, never run
+  beside it. The scheduler then sees it unreported and queues it again after its dispatch
+  grace; an overlap only arises while a kill is in flight (or from a bug), and sharing a core
+  would break the isolation an action's pinning promises. Refusals are counted.
+- the outbox: a completion is delivered until acked; re-sent when older than ``resend_s``
+  and not in flight, at once on ``Reconcile``, and a last time when leaving.
+- goodbye is last: once :meth:`AgentCore.goodbye` returned, every method returns nothing
+  and :meth:`AgentCore.may_send` refuses all but the goodbye itself.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import msgspec
+
+from tangram.agent.fit import COMPLETION_BUDGET, fit_completion
+from tangram.contract import (
+    Completion,
+    Dispatch,
+    DropEnv,
+    EnvExpired,
+    ErrorKind,
+    Inventory,
+    Kill,
+    NodeCommand,
+    NodeLeaving,
+    NodeReport,
+    Outcome,
+    Progress,
+    Reconcile,
+    RunningAction,
+)
+from tangram.errors import InvalidRequest
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    node_id: str
+    incarnation: str
+    heartbeat_s: float = 1.0
+    env_ttl_s: float = 3600.0  # an environment idle longer than this is removed
+    resend_s: float = 1.0  # an unacknowledged completion is sent again this often
+    completion_budget: int = COMPLETION_BUDGET  # encoded bytes a completion may take
+    # The shell's bounds (see shell.Agent.on_stop for the order they are spent in).
+    completion_timeout_s: float = 5.0
+    leave_timeout_s: float = 2.0
+    kill_wait_s: float = 2.0
+    flush_s: float = 2.0
+
+
+# --------------------------------------------------------------------------- effects
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Run this dispatch on the executor, then report :meth:`AgentCore.finished`."""
+
+    dispatch: Dispatch
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Kill a running action on the executor."""
+
+    action_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    """Remove a trajectory's environment on the executor (before anything after it is sent)."""
+
+    trajectory_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """Send to the scheduler without waiting for an answer."""
+
+    msg: NodeReport | EnvExpired
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """Request an ack for a completion; report :meth:`AgentCore.delivered` or ``undelivered``."""
+
+    completion: Completion
+
+
+@dataclass(frozen=True, slots=True)
+class Announce:
+    """Tell the scheduler the agent is leaving (best effort, bounded)."""
+
+    msg: NodeLeaving
+
+
+Effect = Run | Stop | Drop | Publish | Deliver | Announce
+
+
+class Phase(enum.Enum):
+    NEW = "new"  # not registered yet: nothing to report
+    UP = "up"
+    DRAINING = "draining"  # said so; what runs finishes
+    GONE = "gone"  # said goodbye: silent for ever
+
+
+@dataclass
+class _Active:
+    attempt: int
+    trajectory_id: str
+    units: tuple[int, ...]
+    kill_reason: ErrorKind | None = None
+
+
+@dataclass
+class _Unacked:
+    completion: Completion
+    trajectory_id: str
+    sent_at: float
+    in_flight: int = 1
+
+
+def with_kill_reason(outcome: Outcome, reason: ErrorKind | None) -> Outcome:
+    """A kill on request reports its reason, not the killed exit code or a bare ``cancelled``."""
+    if reason is None or outcome.failure not in (None, ErrorKind.CANCELLED):
+        return outcome
+    detail = outcome.detail or "killed on request"
+    return msgspec.structs.replace(outcome, failure=reason, detail=detail)
+
+
+class AgentCore:
+    """One agent incarnation's bookkeeping; every decision returns effects."""
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.phase = Phase.NEW
+        self.inventory = Inventory(numa=(), memory_mb=0, backend="", isolates=False)
+        self.epoch = 0
+        self.active: dict[str, _Active] = {}
+        self.unacked: dict[str, _Unacked] = {}
+        self.busy: set[int] = set()  # granted units held by running actions
+        self.progress = Progress()
+        self.refused_overlaps = 0
+        self.duplicates = 0
+        self._seq = 0
+        self._last_words: NodeLeaving | None = None
+
+    @property
+    def gone(self) -> bool:
+        return self.phase is Phase.GONE
+
+    # ------------------------------------------------------------------ reports
+
+    def register(self, inventory: Inventory, envs: Iterable[str], now: float) -> list[Effect]:
+        """Come up with what the node offers; the first report registers it."""
+        if self.phase is not Phase.NEW:
+            return []
+        self.inventory = inventory
+        self.phase = Phase.UP
+        return self.heartbeat(envs, now)
+
+    def heartbeat(self, envs: Iterable[str], now: float) -> list[Effect]:
+        """A full report: what runs here, what awaits its ack, the environments, progress."""
+        if self.phase not in (Phase.UP, Phase.DRAINING):
+            return []
+        self._seq += 1
+        report = NodeReport(
+            node_id=self.cfg.node_id,
+            incarnation=self.cfg.incarnation,
+            inventory=self.inventory,
+            running=self._running(),
+            envs=tuple(envs),
+            seq=self._seq,
+            full=True,
+            progress=self.progress,
+        )
+        return [Publish(report)]
+
+    def _running(self) -> tuple[RunningAction, ...]:
+        running = [
+            RunningAction(
+                action_id=aid, attempt=a.attempt, trajectory_id=a.trajectory_id, cores=a.units
+            )
+            for aid, a in self.active.items()
+        ]
+        running += [
+            RunningAction(
+                action_id=aid, attempt=u.completion.attempt, trajectory_id=u.trajectory_id, cores=()
+            )
+            for aid, u in self.unacked.items()
+        ]
+        return tuple(running)
+
+    def may_send(self, msg: object) -> bool:
+        """Nothing leaves the agent after its goodbye (a late heartbeat would revive it)."""
+        return not self.gone or msg is self._last_words
+
+    # ------------------------------------------------------------------ commands
+
+    def command(self, cmd: NodeCommand, envs: Iterable[str], now: float) -> list[Effect]:
+        """A scheduler's command; raises :class:`InvalidRequest` when it is refused."""
+        if self.gone:
+            raise InvalidRequest(f"node agent {self.cfg.incarnation} has left")
+        if cmd.epoch < self.epoch:
+            raise InvalidRequest(f"stale scheduler epoch {cmd.epoch} < {self.epoch}")
+        self.epoch = cmd.epoch
+        match cmd:
+            case Dispatch():
+                return self._dispatch(cmd, now)
+            case Kill(action_id=aid, reason=reason):
+                return self._kill(aid, reason)
+            case DropEnv(trajectory_id=tid):
+                return self._drop(tid)
+            case Reconcile():
+                return self.heartbeat(envs, now) + self._deliver_all(now)
+
+    def _dispatch(self, d: Dispatch, now: float) -> list[Effect]:
+        inc = d.incarnation
+        if inc and inc != self.cfg.incarnation:
+            raise InvalidRequest(
+                f"dispatch meant for incarnation {inc}, not {self.cfg.incarnation}"
+            )
+        aid = d.action.spec.action_id
+        if aid in self.active or aid in self.unacked:
+            self.duplicates += 1
+            return []  # the first one is running or done
+        overlap = self.busy & set(d.cores)
+        if overlap:
+            self.refused_overlaps += 1
+            raise InvalidRequest(f"dispatch of {aid} overlaps busy cores {sorted(overlap)}")
+        self.busy |= set(d.cores)
+        self.active[aid] = _Active(d.action.attempt, d.action.spec.trajectory_id, d.cores)
+        self._progressed(now, started=1)
+        return [Run(d)]
+
+    def _kill(self, action_id: str, reason: ErrorKind) -> list[Effect]:
+        active = self.active.get(action_id)
+        if active is None:
+            return []
+        active.kill_reason = reason
+        return [Stop(action_id)]
+
+    def _drop(self, trajectory_id: str) -> list[Effect]:
+        for a in self.active.values():
+            if a.trajectory_id == trajectory_id:
+                a.kill_reason = ErrorKind.CANCELLED
+        return [Drop(trajectory_id)]
+
+    def _progressed(self, now: float, started: int = 0, finished: int = 0) -> None:
+        p = self.progress
+        self.progress = Progress(
+            started=p.started + started, finished=p.finished + finished, last_progress_at=now
+        )
+
+    # ------------------------------------------------------------------ runs
+
+    def not_started(self, action_id: str, now: float) -> Outcome | None:
+        """The outcome of an action killed before its run began (else None: run it)."""
+        active = self.active.get(action_id)
+        if active is None or active.kill_reason is None:
+            return None
+        detail = "killed on request before it started"
+        return Outcome(failure=active.kill_reason, detail=detail, started_at=now, finished_at=now)
+
+    def finished(self, action_id: str, outcome: Outcome, now: float) -> list[Effect]:
+        """An action ended: free its units and deliver its completion (fitted to a message)."""
+        active = self.active.pop(action_id, None)
+        if active is None:
+            return []
+        self.busy -= set(active.units)
+        self._progressed(now, finished=1)
+        if self.gone:
+            return []
+        completion = Completion(
+            node_id=self.cfg.node_id,
+            incarnation=self.cfg.incarnation,
+            action_id=action_id,
+            attempt=active.attempt,
+            outcome=with_kill_reason(outcome, active.kill_reason),
+        )
+        completion = fit_completion(completion, self.cfg.completion_budget)
+        self.unacked[action_id] = _Unacked(completion, active.trajectory_id, now)
+        return [Deliver(completion)]
+
+    # ------------------------------------------------------------------ outbox
+
+    def delivered(self, action_id: str) -> None:
+        """The scheduler acked a completion: it is its to keep now."""
+        self.unacked.pop(action_id, None)
+
+    def undelivered(self, action_id: str) -> None:
+        """A delivery failed (no ack within its timeout, or refused); it is due again later."""
+        entry = self.unacked.get(action_id)
+        if entry is not None:
+            entry.in_flight = max(0, entry.in_flight - 1)
+
+    def resend(self, now: float) -> list[Effect]:
+        """Completions not in flight whose last send is older than ``resend_s``."""
+        if self.gone:
+            return []
+        due = [
+            aid
+            for aid, u in self.unacked.items()
+            if u.in_flight == 0 and now - u.sent_at >= self.cfg.resend_s
+        ]
+        return [self._send(aid, now) for aid in due]
+
+    def _deliver_all(self, now: float) -> list[Effect]:
+        return [self._send(aid, now) for aid in list(self.unacked)]
+
+    def _send(self, action_id: str, now: float) -> Deliver:
+        entry = self.unacked[action_id]
+        entry.sent_at = now
+        entry.in_flight += 1
+        return Deliver(entry.completion)
+
+    # ------------------------------------------------------------------ environments
+
+    def expire(self, envs: Mapping[str, float], now: float) -> list[Effect]:
+        """Environments idle longer than the TTL with nothing running in them: drop each,
+        then tell the scheduler."""
+        if self.phase not in (Phase.UP, Phase.DRAINING):
+            return []
+        busy = {a.trajectory_id for a in self.active.values()}
+        effects: list[Effect] = []
+        for tid, last_used in envs.items():
+            if tid not in busy and now - last_used > self.cfg.env_ttl_s:
+                msg = EnvExpired(
+                    node_id=self.cfg.node_id, incarnation=self.cfg.incarnation, trajectory_id=tid
+                )
+                effects += [Drop(tid), Publish(msg)]
+        return effects
+
+    # ------------------------------------------------------------------ leaving
+
+    def drain(self) -> list[Effect]:
+        """Say the agent is shutting down: no new work for it; what runs finishes."""
+        if self.phase is not Phase.UP:
+            return []
+        self.phase = Phase.DRAINING
+        return [Announce(self._leaving(draining=True))]
+
+    def kill_all(self, reason: ErrorKind) -> list[Effect]:
+        """Kill what still runs (the drain bound is spent), reporting ``reason``."""
+        for a in self.active.values():
+            a.kill_reason = reason
+        return [Stop(aid) for aid in self.active]
+
+    def flush(self, now: float) -> list[Effect]:
+        """A last delivery of each unacknowledged completion not in flight (the shell waits
+        for those, bounded) before the goodbye."""
+        if self.gone:
+            return []
+        return [self._send(aid, now) for aid, u in self.unacked.items() if u.in_flight == 0]
+
+    def goodbye(self, envs: Iterable[str]) -> list[Effect]:
+        """The last message: what this incarnation started and the scheduler has not acked,
+        and the environments it held. Nothing is sent after it."""
+        if self.gone:
+            return []
+        started = (*self.active, *self.unacked)
+        self._last_words = self._leaving(draining=False, started=started, envs=tuple(envs))
+        self.phase = Phase.GONE
+        return [Announce(self._last_words)]
+
+    def _leaving(
+        self,
+        *,
+        draining: bool,
+        started: tuple[str, ...] | None = None,
+        envs: tuple[str, ...] | None = None,
+    ) -> NodeLeaving:
+        return NodeLeaving(
+            node_id=self.cfg.node_id,
+            incarnation=self.cfg.incarnation,
+            draining=draining,
+            started=started,
+            envs=envs,
+        )

@@ -1,0 +1,239 @@
+"""The node agent's async shell: bus subscriptions, owned loops and tasks, and the executor.
+
+:class:`Agent` carries out what :class:`~tangram.agent.core.AgentCore` decides; the kind of
+work (shell commands on cores, model calls on GPUs, rate-limited HTTP calls) lives behind the
+:class:`Executor` protocol. The agent is constructed with an open bus (:class:`~tangram.bus.Bus`),
+which its builder closes after the agent stopped (a :class:`~tangram.membus.MemoryBus` in
+tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any, Protocol
+
+from nats.aio.msg import Msg
+
+from tangram import subjects
+from tangram.agent.core import (
+    AgentConfig,
+    AgentCore,
+    Announce,
+    Deliver,
+    Drop,
+    Effect,
+    Publish,
+    Run,
+    Stop,
+)
+from tangram.bus import BaseBus
+from tangram.contract import (
+    Ack,
+    Completion,
+    Dispatch,
+    ErrorKind,
+    Inventory,
+    NodeCommand,
+    NodeLeaving,
+    Outcome,
+)
+from tangram.errors import InvalidRequest, TangramError
+from tangram.runtime import Service
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+class Executor(Protocol):
+    """The kind-specific half of a node agent: runs what was dispatched, holds environments."""
+
+    async def start(self) -> Inventory:
+        """Prepare (clean leftovers of a previous incarnation); what this node offers."""
+
+    async def close(self) -> None:
+        """Kill what runs and release every environment."""
+
+    async def run(self, dispatch: Dispatch) -> Outcome:
+        """Run one dispatched action to its end; facts only (a failure kind or exit code)."""
+
+    async def kill(self, action_id: str) -> None:
+        """Kill a running action (its ``run`` then returns)."""
+
+    async def drop_env(self, trajectory_id: str) -> None:
+        """Remove a trajectory's environment and everything in it."""
+
+    def envs(self) -> Mapping[str, float]:
+        """Live environments: trajectory_id -> last use, on the agent's clock."""
+
+
+class Agent(Service):
+    """A node agent: registers, heartbeats, runs dispatches, reports until acked, leaves."""
+
+    def __init__(
+        self,
+        bus: BaseBus,
+        executor: Executor,
+        cfg: AgentConfig,
+        *,
+        name: str = "agent",
+        clock: Clock = time.time,
+    ) -> None:
+        super().__init__()
+        self.name = name
+        self.bus = bus
+        self.executor = executor
+        self.cfg = cfg
+        self.clock = clock
+        self.core = AgentCore(cfg)
+        self._runs: set[asyncio.Task[None]] = set()
+        self._sends: set[asyncio.Task[None]] = set()
+
+    @property
+    def node_id(self) -> str:
+        return self.cfg.node_id
+
+    @property
+    def incarnation(self) -> str:
+        return self.cfg.incarnation
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def on_start(self) -> None:
+        inventory = await self.executor.start()
+        self.bus.serve(subjects.node(self.node_id), self.on_command, max_in_flight=100_000)
+        self.bus.serve(subjects.NODES_BROADCAST, self.on_command, max_in_flight=16)
+        await self.bus.start()
+        await self._apply(self.core.register(inventory, self.executor.envs(), self.clock()))
+        self.spawn(self._every(self.cfg.heartbeat_s, self._heartbeat), "heartbeat")
+        self.spawn(self._every(self.cfg.resend_s, self._resend), "resend")
+        self.spawn(self._every(max(0.05, self.cfg.env_ttl_s / 4), self._expire), "env-ttl")
+
+    async def on_stop(self, grace_s: float) -> None:
+        """Drain notice, stop intake, let runs finish within ``grace_s``, kill the rest, stop
+        the loops, a last bounded flush of the outbox, close the executor, goodbye."""
+        await self._apply(self.core.drain())
+        await self.bus.stop_serving(0.1)
+        await _wait(self._runs, grace_s)
+        await self._apply(self.core.kill_all(ErrorKind.NODE_DIED))
+        await _wait(self._runs, self.cfg.kill_wait_s)
+        await self._cancel_tasks()
+        await self._apply(self.core.flush(self.clock()))
+        await _wait(self._sends, self.cfg.flush_s, cancel=True)
+        envs = tuple(self.executor.envs())
+        await self.executor.close()
+        await _wait(self._runs, 0.0, cancel=True)
+        await self._apply(self.core.goodbye(envs))
+
+    # ------------------------------------------------------------------ commands
+
+    async def on_command(self, cmd: NodeCommand, msg: Msg) -> Ack:
+        try:
+            effects = self.core.command(cmd, self.executor.envs(), self.clock())
+        except InvalidRequest as exc:
+            log.warning("%s %s: refused %s: %s", self.name, self.node_id, type(cmd).__name__, exc)
+            raise
+        await self._apply(effects)
+        return Ack()
+
+    # ------------------------------------------------------------------ effects
+
+    async def _apply(self, effects: list[Effect]) -> None:
+        for e in effects:
+            match e:
+                case Run(dispatch=d):
+                    self._own(self._run(d), self._runs)
+                case Stop(action_id=aid):
+                    await self.executor.kill(aid)
+                case Drop(trajectory_id=tid):
+                    await self.executor.drop_env(tid)
+                case Publish(msg=m):
+                    if self.core.may_send(m):
+                        await self.bus.publish(subjects.SCHED_NODES, m)
+                case Deliver(completion=c):
+                    self._own(self._deliver(c), self._sends)
+                case Announce(msg=m):
+                    await self._announce(m)
+
+    async def _run(self, d: Dispatch) -> None:
+        aid = d.action.spec.action_id
+        outcome = self.core.not_started(aid, self.clock()) or await self._execute(d)
+        await self._apply(self.core.finished(aid, outcome, self.clock()))
+
+    async def _execute(self, d: Dispatch) -> Outcome:
+        """The executor's outcome; an executor that raises is an internal failure."""
+        try:
+            return await self.executor.run(d)
+        except TangramError as exc:
+            detail = str(exc)
+        except Exception as exc:
+            log.exception("executor failed running %s", d.action.spec.action_id)
+            detail = f"{type(exc).__name__}: {exc}"
+        now = self.clock()
+        return Outcome(failure=ErrorKind.INTERNAL, detail=detail, started_at=now, finished_at=now)
+
+    async def _deliver(self, c: Completion) -> None:
+        if not self.core.may_send(c):
+            return
+        try:
+            await self.bus.request(subjects.SCHED_NODES, c, timeout=self.cfg.completion_timeout_s)
+        except InvalidRequest as exc:  # refused: it will be again; say so louder
+            log.warning("completion of %s refused: %s", c.action_id, exc)
+            self.core.undelivered(c.action_id)
+        except TangramError as exc:
+            log.info("completion of %s not acknowledged yet: %s", c.action_id, exc)
+            self.core.undelivered(c.action_id)
+        else:
+            self.core.delivered(c.action_id)
+
+    async def _announce(self, m: NodeLeaving) -> None:
+        """Best effort: the scheduler may be down, and the agent leaves anyway."""
+        if not self.core.may_send(m):
+            return
+        try:
+            await self.bus.request(subjects.SCHED_NODES, m, timeout=self.cfg.leave_timeout_s)
+        except TangramError as exc:
+            log.info("leaving notice not acknowledged: %s", exc)
+
+    def _own(self, coro: Coroutine[Any, Any, None], into: set[asyncio.Task[None]]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        into.add(task)
+        task.add_done_callback(into.discard)
+        task.add_done_callback(_log_failure)
+
+    # ------------------------------------------------------------------ loops
+
+    async def _every(self, period_s: float, tick: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            await tick()
+
+    async def _heartbeat(self) -> None:
+        await self._apply(self.core.heartbeat(self.executor.envs(), self.clock()))
+
+    async def _resend(self) -> None:
+        await self._apply(self.core.resend(self.clock()))
+
+    async def _expire(self) -> None:
+        await self._apply(self.core.expire(self.executor.envs(), self.clock()))
+
+
+async def _wait(tasks: set[asyncio.Task[None]], timeout_s: float, *, cancel: bool = False) -> None:
+    """Wait for ``tasks`` up to ``timeout_s``; with ``cancel``, cancel what is left."""
+    if not tasks:
+        return
+    if timeout_s > 0:
+        await asyncio.wait(set(tasks), timeout=timeout_s)
+    if cancel:
+        pending = [t for t in tasks if not t.done()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("agent task %s failed", task.get_name(), exc_info=task.exception())

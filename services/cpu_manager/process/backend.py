@@ -1,0 +1,310 @@
+"""The ``process`` backend: plain subprocesses pinned to their granted cores. It does NOT isolate.
+
+One working directory per trajectory (its HOME and cwd) keeps state across that trajectory's
+actions. Each action runs in its own session so a timeout kills the whole process group.
+Pinning without a fork-unsafe ``preexec_fn``: a dedicated launcher thread sets its own CPU
+affinity to the granted cores and spawns from there, so the child inherits exactly that mask
+from its first instruction. The exit is watched through a pidfd on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from services.cpu_manager.action_env import action_environ
+from services.cpu_manager.backend_api import ExecOutcome, ExecRequest, failed_outcome
+from services.cpu_manager.spawn_failure import spawn_failed
+from tangram.contract import ErrorKind
+
+log = logging.getLogger(__name__)
+
+DRAIN_AFTER_EXIT_S = 0.5  # background children may hold the pipes; stop reading after this
+AGENT_TAG = "TANGRAM_AGENT_INCARNATION"
+ROOT_TAG = "TANGRAM_ENV_ROOT"  # leftovers are recognised by the env root they ran under
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessConfig:
+    root: Path
+    node_id: str = "node"
+    incarnation: str = ""
+    path: str = "/usr/local/bin:/usr/bin:/bin"
+
+
+class CappedSink:
+    """Reads one pipe on the event loop: keeps ``cap`` bytes, flags the rest, owns the fd."""
+
+    def __init__(self, fd: int, cap: int) -> None:
+        self.fd = fd
+        self.cap = cap
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.truncated = False
+        self.eof = asyncio.get_running_loop().create_future()
+        os.set_blocking(fd, False)
+        asyncio.get_running_loop().add_reader(fd, self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.close()
+            return
+        room = self.cap - self.size
+        if room > 0:
+            self.chunks.append(data[:room])
+            self.size += min(len(data), room)
+        if len(data) > room:
+            self.truncated = True
+
+    def close(self) -> None:
+        """Stop reading and close the fd (once)."""
+        if self.eof.done():
+            return
+        asyncio.get_running_loop().remove_reader(self.fd)
+        os.close(self.fd)
+        self.eof.set_result(None)
+
+    def value(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+@dataclass
+class _Run:
+    proc: subprocess.Popen[bytes]
+    trajectory_id: str
+    out_fd: int
+    err_fd: int
+    killed: ErrorKind | None = None
+    exited: asyncio.Future[int] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+def env_dirname(trajectory_id: str) -> str:
+    """A filesystem-safe, collision-free directory name for a trajectory id."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in trajectory_id)[:48]
+    return f"{safe}-{hashlib.sha256(trajectory_id.encode()).hexdigest()[:12]}"
+
+
+class ProcessBackend:
+    """Subprocess execution in per-trajectory directories; no isolation between trajectories."""
+
+    name = "process"
+    isolates = False
+
+    def __init__(self, cfg: ProcessConfig) -> None:
+        self.cfg = cfg
+        self._launcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="launcher")
+        self._runs: dict[str, _Run] = {}
+        self._envs: dict[str, float] = {}
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._clean_leftovers)
+
+    def _clean_leftovers(self) -> None:
+        """Kill processes an earlier incarnation of this node left, and wipe its directories.
+
+        Only processes that ran under this node's own env root count: other meshes on the same
+        machine (another state dir) are left alone.
+        """
+        for proc in psutil.process_iter(["pid"]):
+            with contextlib.suppress(psutil.Error):
+                env = proc.environ()
+                if env.get(ROOT_TAG) == str(self.cfg.root) and env.get(AGENT_TAG) != (
+                    self.cfg.incarnation
+                ):
+                    log.warning("killing leftover action process %d", proc.pid)
+                    proc.kill()
+        shutil.rmtree(self.cfg.root, ignore_errors=True)
+        self.cfg.root.mkdir(parents=True, exist_ok=True)
+
+    async def close(self) -> None:
+        for aid in list(self._runs):
+            await self.kill(aid, ErrorKind.CANCELLED)
+        self._launcher.shutdown(wait=True)
+
+    def envs(self) -> dict[str, float]:
+        return dict(self._envs)
+
+    def workdir(self, trajectory_id: str) -> Path:
+        return self.cfg.root / env_dirname(trajectory_id)
+
+    async def kill(self, action_id: str, reason: ErrorKind = ErrorKind.CANCELLED) -> bool:
+        run = self._runs.get(action_id)
+        if run is None:
+            return False
+        run.killed = run.killed or reason
+        _killpg(run.proc.pid)
+        return True
+
+    async def drop_env(self, trajectory_id: str) -> None:
+        for aid, run in list(self._runs.items()):
+            if run.trajectory_id == trajectory_id:
+                await self.kill(aid, ErrorKind.CANCELLED)
+        self._envs.pop(trajectory_id, None)
+        await asyncio.to_thread(shutil.rmtree, self.workdir(trajectory_id), True)
+
+    async def run(self, req: ExecRequest) -> ExecOutcome:
+        workdir = self.workdir(req.trajectory_id)
+        if req.trajectory_id not in self._envs:
+            workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        elif not workdir.is_dir():
+            return _lost(f"working directory of {req.trajectory_id} vanished")
+        self._envs[req.trajectory_id] = time.monotonic()
+        loop = asyncio.get_running_loop()
+        started = time.time()
+        try:
+            proc, out_fd, err_fd = await loop.run_in_executor(
+                self._launcher, self._spawn, req, workdir
+            )
+        except OSError as exc:
+            return _spawn_failure(exc, req.argv, workdir, started)
+        run = _Run(proc, req.trajectory_id, out_fd, err_fd)
+        self._runs[req.action_id] = run
+        try:
+            return await self._supervise(req, run, started)
+        finally:
+            self._runs.pop(req.action_id, None)
+            self._envs[req.trajectory_id] = time.monotonic()
+
+    def _spawn(self, req: ExecRequest, workdir: Path) -> tuple[subprocess.Popen[bytes], int, int]:
+        """Runs on the launcher thread: pin this thread, then spawn (the child inherits it).
+
+        The pipes are plain fds owned by the caller, so exactly one party ever closes them.
+        """
+        os.sched_setaffinity(0, req.cores)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                req.argv,
+                cwd=workdir,
+                env=self._environ(req, workdir),
+                stdin=subprocess.DEVNULL,
+                stdout=out_w,
+                stderr=err_w,
+                start_new_session=True,
+            )
+        except BaseException:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            raise
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        return proc, out_r, err_r
+
+    def _environ(self, req: ExecRequest, workdir: Path) -> dict[str, str]:
+        """A minimal base, the action's own variables, then Tangram's (see ``action_env``) and
+        the tags that recognise leftovers of this node."""
+        base = {"PATH": self.cfg.path, "HOME": str(workdir), "TMPDIR": str(workdir)}
+        base["LANG"] = "C.UTF-8"
+        tags = {AGENT_TAG: self.cfg.incarnation, ROOT_TAG: str(self.cfg.root)}
+        return action_environ(req, self.cfg.node_id, base, tags)
+
+    async def _supervise(self, req: ExecRequest, run: _Run, started: float) -> ExecOutcome:
+        out = CappedSink(run.out_fd, req.output_cap_bytes)
+        err = CappedSink(run.err_fd, req.output_cap_bytes)
+        self._watch_exit(run)
+        try:
+            code = await asyncio.wait_for(asyncio.shield(run.exited), req.timeout_s)
+        except TimeoutError:
+            run.killed = run.killed or ErrorKind.EXEC_TIMEOUT
+            _killpg(run.proc.pid)
+            code = await run.exited
+        finished = time.time()
+        await self._drain(run, out, err)
+        return _outcome(run, code, out, err, started, finished, req.timeout_s)
+
+    def _watch_exit(self, run: _Run) -> None:
+        loop = asyncio.get_running_loop()
+        pidfd = os.pidfd_open(run.proc.pid)
+
+        def on_exit() -> None:
+            code = run.proc.poll()
+            if code is None:
+                return
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            if not run.exited.done():
+                run.exited.set_result(code)
+
+        loop.add_reader(pidfd, on_exit)
+
+    async def _drain(self, run: _Run, out: CappedSink, err: CappedSink) -> None:
+        """Read what is left; a background child holding the pipes open is killed."""
+        done, _ = await asyncio.wait([out.eof, err.eof], timeout=DRAIN_AFTER_EXIT_S)
+        if len(done) < 2:
+            _killpg(run.proc.pid)
+            await asyncio.wait([out.eof, err.eof], timeout=DRAIN_AFTER_EXIT_S)
+        out.close()
+        err.close()
+
+
+def _killpg(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _spawn_failure(
+    exc: OSError, argv: tuple[str, ...], workdir: Path, started: float
+) -> ExecOutcome:
+    """Why a spawn failed: the action's program (see ``spawn_failure``), its vanished
+    directory, or the node itself."""
+    failed = os.fsdecode(exc.filename) if exc.filename is not None else None
+    if failed == str(workdir):
+        return _lost(f"working directory {workdir} vanished")
+    if argv and failed == argv[0] and exc.errno is not None:
+        own = spawn_failed(argv[0], exc.errno, started)
+        if own is not None:
+            return own
+    return failed_outcome(ErrorKind.INTERNAL, f"could not start: {exc}", started)
+
+
+def _lost(detail: str) -> ExecOutcome:
+    return failed_outcome(ErrorKind.ENVIRONMENT_LOST, detail)
+
+
+def _outcome(
+    run: _Run,
+    code: int,
+    out: CappedSink,
+    err: CappedSink,
+    started: float,
+    finished: float,
+    timeout_s: float,
+) -> ExecOutcome:
+    detail = ""
+    if run.killed is ErrorKind.EXEC_TIMEOUT:
+        detail = f"killed after the {timeout_s:g}s timeout"
+    elif run.killed is not None:
+        detail = "killed on request"
+    return ExecOutcome(
+        exit_code=code,
+        stdout=out.value(),
+        stderr=err.value(),
+        stdout_truncated=out.truncated,
+        stderr_truncated=err.truncated,
+        started_at=started,
+        finished_at=finished,
+        failure=run.killed,
+        detail=detail,
+    )

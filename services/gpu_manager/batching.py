@@ -1,0 +1,105 @@
+"""Dynamic batching: concurrent calls to one resident service coalesced into one forward pass.
+
+Pure and asyncio-free. The shell ``submit``s calls as they arrive; whenever a device is free for
+a service it ``take``s up to ``max_batch`` of that service's calls (oldest first), runs them with
+:func:`run_batch` (in a worker thread: torch blocks), and routes each :class:`Output` back by
+``call_id``. Outputs keep the order of the calls; one call's bad output never reaches another.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tangram.errors import Busy, InvalidRequest
+
+Handle = Callable[[torch.nn.Module, list[Any]], list[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One pending call of a service."""
+
+    call_id: str
+    service: str
+    payload: Any
+    arrived: float
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Calls of one service run together, in arrival order."""
+
+    service: str
+    calls: tuple[Call, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """A call's result: ``value`` when ``error`` is empty, else the handler's failure."""
+
+    call_id: str
+    value: Any = None
+    error: str = ""
+
+
+class BatchFormer:
+    """Per-service FIFO queues of pending calls, bounded in total."""
+
+    def __init__(self, capacity: int = 10_000) -> None:
+        self.capacity = capacity
+        self._queues: dict[str, deque[Call]] = {}
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def submit(self, call: Call) -> None:
+        """Queue a call; :class:`Busy` when the queue is full."""
+        if self._size >= self.capacity:
+            raise Busy(f"{self._size} calls already waiting")
+        self._queues.setdefault(call.service, deque()).append(call)
+        self._size += 1
+
+    def waiting(self) -> list[str]:
+        """Services with pending calls, the one whose oldest call is oldest first."""
+        return sorted(self._queues, key=lambda s: self._queues[s][0].arrived)
+
+    def pending(self, service: str) -> int:
+        """How many calls of ``service`` wait."""
+        queue = self._queues.get(service)
+        return len(queue) if queue else 0
+
+    def take(self, service: str, max_batch: int) -> Batch | None:
+        """Up to ``max_batch`` of ``service``'s oldest calls (None when it has none)."""
+        if max_batch < 1:
+            raise InvalidRequest(f"max_batch must be ≥ 1, got {max_batch}")
+        queue = self._queues.get(service)
+        if not queue:
+            return None
+        calls = tuple(queue.popleft() for _ in range(min(max_batch, len(queue))))
+        if not queue:
+            del self._queues[service]
+        self._size -= len(calls)
+        return Batch(service, calls)
+
+
+def run_batch(model: torch.nn.Module, handle: Handle, batch: Batch) -> list[Output]:
+    """One forward pass for the batch; a failure of the handler fails each of its calls."""
+    try:
+        with torch.inference_mode():
+            values = handle(model, [c.payload for c in batch.calls])
+    except Exception as exc:  # the handler is user code: its failure is the calls' own
+        return _failed(batch, f"handler raised {exc!r}")
+    if not isinstance(values, list) or len(values) != len(batch.calls):
+        got = len(values) if isinstance(values, list) else type(values).__name__
+        return _failed(batch, f"handler returned {got} outputs for {len(batch.calls)} payloads")
+    return [Output(c.call_id, v) for c, v in zip(batch.calls, values, strict=True)]
+
+
+def _failed(batch: Batch, message: str) -> list[Output]:
+    return [Output(c.call_id, error=message) for c in batch.calls]

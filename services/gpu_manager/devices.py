@@ -1,0 +1,160 @@
+"""Device inventory: NVML GPUs when present, else configured CPU stand-ins; buddy chunks.
+
+On a machine without a GPU the gpu_manager runs the same code on torch's CPU device: ``count``
+CPU "devices", each with its own memory budget, so restore, eviction and batching are exercised
+end to end. Devices are grouped into chunks by the buddy rule of §5.3 (Algorithm 4, the same
+sizes as ``CHUNK_SIZES`` in the scheduler's ``dparrange``): a chunk is ``[start, start + 2**a)``
+with ``start`` a multiple of ``2**a`` and ``a`` in 0..3.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from tangram.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+CHUNK_SIZES = (1, 2, 4, 8)  # = services.scheduler.policies.dparrange.CHUNK_SIZES (no import:
+# services never import each other; a test pins the two equal)
+MB = 1 << 20
+
+
+class DevicesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Which devices to use; the CPU fallback's shape; memory kept back from each GPU."""
+
+    backend: Literal["auto", "nvml", "cpu"] = "auto"
+    cpu_devices: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    cpu_budget_mb: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    gpu_reserve_mb: Annotated[int, msgspec.Meta(ge=0)] = 1024  # CUDA context, allocator slack
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One device: its index in the node, the torch device that runs it, its byte budget."""
+
+    index: int
+    name: str
+    torch_device: str
+    budget_bytes: int
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Chunk:
+    """A legal buddy cell ``[start, start + size)`` of a node's devices."""
+
+    start: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.size not in CHUNK_SIZES or self.start < 0 or self.start % self.size:
+            raise ValueError(f"illegal chunk start={self.start} size={self.size}")
+
+    @property
+    def level(self) -> int:
+        return self.size.bit_length() - 1
+
+    @property
+    def devices(self) -> range:
+        return range(self.start, self.start + self.size)
+
+    def halves(self) -> tuple[Chunk, Chunk]:
+        """The two buddies this chunk splits into."""
+        half = self.size // 2
+        return Chunk(self.start, half), Chunk(self.start + half, half)
+
+    def parent(self) -> Chunk | None:
+        """The chunk this one merges into with its buddy (None at the top level)."""
+        if self.size == CHUNK_SIZES[-1]:
+            return None
+        size = self.size * 2
+        return Chunk(self.start - self.start % size, size)
+
+
+def root_chunks(n: int) -> tuple[Chunk, ...]:
+    """The largest legal chunks that tile devices ``0..n-1`` (a node starts as these)."""
+    return tuple(_tile(0, n))
+
+
+def _tile(start: int, n: int) -> Iterator[Chunk]:
+    while n > 0:
+        size = max(s for s in CHUNK_SIZES if s <= n and start % s == 0)
+        yield Chunk(start, size)
+        start, n = start + size, n - size
+
+
+def free_counts(chunks: list[Chunk] | tuple[Chunk, ...]) -> tuple[int, ...]:
+    """Free chunks per size 1, 2, 4, 8: the state the scheduler's ``ChunkOperator`` takes."""
+    return tuple(sum(1 for c in chunks if c.size == s) for s in CHUNK_SIZES)
+
+
+@dataclass(frozen=True, slots=True)
+class Inventory:
+    """The devices of this node and the kind that backs them (``"cuda"`` or ``"cpu"``)."""
+
+    kind: str
+    devices: tuple[Device, ...]
+
+    @property
+    def roots(self) -> tuple[Chunk, ...]:
+        return root_chunks(len(self.devices))
+
+    def describe(self) -> str:
+        """One line for the operator: what runs here."""
+        mb = {d.budget_bytes // MB for d in self.devices}
+        return f"{len(self.devices)} {self.kind} device(s), budget {'/'.join(map(str, mb))} MB"
+
+
+def cpu_inventory(cfg: DevicesConfig) -> Inventory:
+    """``cfg.cpu_devices`` CPU stand-ins of ``cfg.cpu_budget_mb`` each."""
+    budget = cfg.cpu_budget_mb * MB
+    devices = tuple(Device(i, f"cpu{i}", "cpu", budget) for i in range(cfg.cpu_devices))
+    return Inventory("cpu", devices)
+
+
+def discover(cfg: DevicesConfig) -> Inventory:
+    """NVML GPUs usable by torch, else (``auto``) the CPU stand-ins. Blocking: run in a thread."""
+    if cfg.backend == "cpu":
+        return cpu_inventory(cfg)
+    gpus = _nvml_devices(cfg)
+    if gpus:
+        return Inventory("cuda", gpus)
+    if cfg.backend == "nvml":
+        raise Unavailable("no GPU answered NVML, or torch cannot use CUDA")
+    return cpu_inventory(cfg)
+
+
+def _nvml_devices(cfg: DevicesConfig) -> tuple[Device, ...]:
+    try:
+        import pynvml  # type: ignore[import-not-found,unused-ignore]
+        import torch
+    except ImportError:
+        return ()
+    if not torch.cuda.is_available():  # pragma: no cover - needs a GPU
+        return ()
+    return _query(pynvml, cfg)  # pragma: no cover - needs a GPU
+
+
+def _query(nvml: Any, cfg: DevicesConfig) -> tuple[Device, ...]:  # pragma: no cover - GPU
+    try:
+        nvml.nvmlInit()
+        try:
+            return tuple(_nvml_device(nvml, i, cfg) for i in range(nvml.nvmlDeviceGetCount()))
+        finally:
+            nvml.nvmlShutdown()
+    except nvml.NVMLError as exc:
+        log.warning("NVML unusable, falling back: %s", exc)
+        return ()
+
+
+def _nvml_device(nvml: Any, i: int, cfg: DevicesConfig) -> Device:  # pragma: no cover - GPU
+    handle = nvml.nvmlDeviceGetHandleByIndex(i)
+    name = nvml.nvmlDeviceGetName(handle)
+    total = int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    return Device(i, name, f"cuda:{i}", max(0, total - cfg.gpu_reserve_mb * MB))

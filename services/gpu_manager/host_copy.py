@@ -1,0 +1,262 @@
+"""The invariant host copy of a service's state, and its restore onto a device.
+
+Every parameter and buffer of the model is packed into one preallocated host slab (pinned when
+CUDA is present) holding one contiguous, aligned region per dtype. The layout remembers where
+each tensor lives and which module attributes point at it (tied weights share one entry). The
+model itself is kept as a skeleton on the ``meta`` device, so the host slab is the only copy.
+
+A restore is one slab copy into a device arena (chunked; on a side stream on CUDA, a thread on
+the CPU, so rebuilding the model overlaps it): a copy of the skeleton whose tensors are views
+of that arena. The
+host slab is never written after capture: a handle that mutates its model (running stats,
+in-place ops) changes only the arena, so eviction just drops the arena — no write-back.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ALIGN = 256  # bytes: CUDA's allocation granularity and a multiple of every dtype's size
+CHUNK_BYTES = 64 << 20  # big enough to run at full bandwidth, small enough to overlap setup
+OVERLAP_BYTES = 16 << 20  # below this a thread costs more than the rebuild it would hide
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One distinct tensor of the model's state and where it lives in the slab."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    is_param: bool
+    requires_grad: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """A module attribute (``module`` is its dotted path) that holds entry ``entry``."""
+
+    module: str
+    attr: str
+    entry: int
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where every tensor lives in the slab; ``regions`` maps a dtype to (offset, nbytes)."""
+
+    entries: tuple[Entry, ...]
+    bindings: tuple[Binding, ...]
+    regions: dict[torch.dtype, tuple[int, int]]
+    nbytes: int
+
+
+@dataclass(slots=True)
+class Resident:
+    """A service restored onto a device: its model, whose state are views of ``arena``."""
+
+    model: torch.nn.Module
+    arena: torch.Tensor
+    device: torch.device
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _state(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.Tensor, bool]]:
+    """Every (module path, attribute, tensor, is_param), shared tensors once per holder."""
+    for path, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is not None:
+                yield path, attr, param, True
+        for attr, buf in module._buffers.items():
+            if buf is not None:
+                yield path, attr, buf, False
+
+
+Collected = tuple[list[tuple[str, torch.Tensor, bool]], tuple[Binding, ...]]
+
+
+def _collect(model: torch.nn.Module) -> Collected:
+    """The distinct tensors (name, tensor, is_param) in first-seen order, and their holders."""
+    index: dict[int, int] = {}
+    tensors: list[tuple[str, torch.Tensor, bool]] = []
+    bindings: list[Binding] = []
+    for path, attr, tensor, is_param in _state(model):
+        if id(tensor) not in index:
+            index[id(tensor)] = len(tensors)
+            tensors.append((f"{path}.{attr}" if path else attr, tensor, is_param))
+        bindings.append(Binding(path, attr, index[id(tensor)]))
+    return tensors, tuple(bindings)
+
+
+def plan_layout(model: torch.nn.Module) -> Layout:
+    """The slab layout of ``model``'s state, grouped by dtype in first-seen order."""
+    return _place(*_collect(model))
+
+
+def _place(tensors: list[tuple[str, torch.Tensor, bool]], bindings: tuple[Binding, ...]) -> Layout:
+    dtypes = list(dict.fromkeys(t.dtype for _, t, _ in tensors))
+    entries: list[Entry | None] = [None] * len(tensors)
+    regions: dict[torch.dtype, tuple[int, int]] = {}
+    offset = 0
+    for dtype in dtypes:
+        start = offset
+        for i, (name, t, is_param) in enumerate(tensors):
+            if t.dtype == dtype:
+                nbytes = t.numel() * t.element_size()
+                entries[i] = Entry(
+                    name, dtype, tuple(t.shape), offset, nbytes, is_param, t.requires_grad
+                )
+                offset += _align(nbytes)
+        regions[dtype] = (start, offset - start)
+    placed = tuple(e for e in entries if e is not None)
+    return Layout(placed, bindings, regions, offset)
+
+
+def _views(slab: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    return [slab.narrow(0, e.offset, e.nbytes).view(e.dtype).view(e.shape) for e in layout.entries]
+
+
+def _bind(model: torch.nn.Module, layout: Layout, tensors: list[torch.Tensor]) -> None:
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for b in layout.bindings:
+        entry, module = layout.entries[b.entry], modules[b.module]
+        if entry.is_param:
+            module._parameters[b.attr] = tensors[b.entry]
+        else:
+            module._buffers[b.attr] = tensors[b.entry]
+
+
+def _as_state(layout: Layout, views: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views wrapped as Parameters where the original was one (one object per entry: ties hold)."""
+    return [
+        torch.nn.Parameter(v, requires_grad=e.requires_grad) if e.is_param else v
+        for e, v in zip(layout.entries, views, strict=True)
+    ]
+
+
+def copy_chunked(src: torch.Tensor, dst: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> None:
+    """Copy a byte slab in chunks (asynchronous on CUDA when ``src`` is pinned)."""
+    non_blocking = dst.is_cuda and src.is_pinned()
+    for start in range(0, src.numel(), chunk_bytes):
+        n = min(chunk_bytes, src.numel() - start)
+        dst.narrow(0, start, n).copy_(src.narrow(0, start, n), non_blocking=non_blocking)
+
+
+class HostCopy:
+    """A service's state packed once into a host slab; restores it onto any device."""
+
+    def __init__(self, model: torch.nn.Module, *, pin: bool | None = None) -> None:
+        """Capture ``model``'s state; its tensors move to ``meta`` (the slab is the copy)."""
+        tensors, bindings = _collect(model)
+        self.layout = _place(tensors, bindings)
+        pin = torch.cuda.is_available() if pin is None else pin
+        self.host = torch.empty(self.layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+        with torch.no_grad():
+            for view, (_, tensor, _) in zip(_views(self.host, self.layout), tensors, strict=True):
+                view.copy_(tensor)
+        self.skeleton = _rebound_meta(model, self.layout)
+        self._spares: list[torch.nn.Module] = []
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the state needs (the slab, alignment included)."""
+        return self.layout.nbytes
+
+    def restore(self, device: torch.device | str, arena: torch.Tensor | None = None) -> Resident:
+        """A fresh model on ``device`` whose state is a copy of the host slab."""
+        device = torch.device(device)
+        slab = self._arena(device, arena)
+        wait = _start_copy(self.host, slab)
+        model = self._spares.pop() if self._spares else copy.deepcopy(self.skeleton)
+        _bind(model, self.layout, _as_state(self.layout, _views(slab, self.layout)))
+        wait()
+        return Resident(model, slab, device)
+
+    def evict(self, resident: Resident) -> torch.Tensor:
+        """Release a resident: its model is kept (on ``meta``) for the next restore; nothing is
+        written back. Returns the arena, which the caller may reuse or drop."""
+        self._spares.append(_rebound_meta(resident.model, self.layout))
+        return resident.arena
+
+    def _arena(self, device: torch.device, arena: torch.Tensor | None) -> torch.Tensor:
+        if arena is None:
+            return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        if arena.dtype != torch.uint8 or arena.device != device or arena.numel() < self.nbytes:
+            raise ValueError(f"arena must be ≥ {self.nbytes} uint8 bytes on {device}")
+        return arena.narrow(0, 0, self.nbytes)
+
+
+def _rebound_meta(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    """Point the model's state at ``meta`` tensors, freeing its own storage (ties kept)."""
+    metas = [torch.empty(e.shape, dtype=e.dtype, device="meta") for e in layout.entries]
+    _bind(model, layout, _as_state(layout, metas))
+    return model
+
+
+def _start_copy(src: torch.Tensor, dst: torch.Tensor) -> Callable[[], None]:
+    """Start copying ``src`` into ``dst``; returns the wait that finishes it.
+
+    On CUDA the copy runs on a side stream; on the CPU a large copy runs on a thread (torch
+    releases the GIL while copying), so the model rebuild overlaps it either way.
+    """
+    if dst.is_cuda:  # pragma: no cover - needs a GPU
+        return _start_stream_copy(src, dst)
+    if src.numel() < OVERLAP_BYTES:
+        copy_chunked(src, dst)
+        return lambda: None
+    failure: list[BaseException] = []
+    thread = threading.Thread(target=_copy_into, args=(src, dst, failure), name="restore-copy")
+    thread.start()
+
+    def wait() -> None:
+        thread.join()
+        if failure:
+            raise failure[0]
+
+    return wait
+
+
+def _copy_into(src: torch.Tensor, dst: torch.Tensor, failure: list[BaseException]) -> None:
+    try:
+        copy_chunked(src, dst)
+    except BaseException as exc:  # handed to the waiting thread, which re-raises it
+        failure.append(exc)
+
+
+def _start_stream_copy(
+    src: torch.Tensor, dst: torch.Tensor
+) -> Callable[[], None]:  # pragma: no cover - needs a GPU
+    stream = torch.cuda.Stream(dst.device)  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(stream):
+        copy_chunked(src, dst)
+
+    def wait() -> None:
+        torch.cuda.current_stream(dst.device).wait_stream(stream)
+        stream.synchronize()
+
+    return wait
+
+
+def measure_headroom(
+    resident: Resident, handle: Callable[[torch.nn.Module, list[Any]], list[Any]], sample: list[Any]
+) -> int:
+    """Peak activation bytes of one call on ``sample`` (CUDA only; 0 where unmeasurable)."""
+    if resident.device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(resident.device)  # pragma: no cover - needs a GPU
+    base = torch.cuda.memory_allocated(resident.device)
+    torch.cuda.reset_peak_memory_stats(resident.device)
+    handle(resident.model, sample)
+    torch.cuda.synchronize(resident.device)
+    return max(0, torch.cuda.max_memory_allocated(resident.device) - base)

@@ -1,0 +1,667 @@
+"""The scheduler's pure core: the single owner of allocation bookkeeping.
+
+No I/O and no clock of its own: every method takes ``now`` and returns effects for the shell
+(dispatch, finish, kill, drop env, record env). The live service and the simulator drive this
+same code. Pools are per node (§5.2): a trajectory's environment lives on one node, chosen at
+its first action by CPU-memory load balance, and all its actions run there. Each pool is
+FCFS; the policy decides how many of the head actions start now and with how many cores. A
+policy that keeps state per pool (``PerPool``: trajectory-static reservations) gets an instance
+per node, told when a trajectory's environment ends and dropped with its node; a policy that
+``Learns`` is told the execution time of every action that succeeded.
+
+A cancelled running action ends within ``kill_grace_s`` whatever becomes of its completion: the
+core sends the kill, and if the node has not confirmed it by then (its completion), the action
+ends ``cancelled`` at that deadline. Its cores stay booked until the node shows the process is
+over -- its completion arrives, or its report no longer lists it, or the node is lost -- because a
+process that ignores the kill may still be running on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import msgspec
+
+from services.scheduler.core import views
+from services.scheduler.core.books import Dispatched, EnvPlacement, Node
+from services.scheduler.core.effects import (
+    DropEnvOnNode,
+    Effect,
+    EnvChanged,
+    Finish,
+    KillOnNode,
+    StartOnNode,
+    completed,
+    verdict,
+)
+from services.scheduler.core.placement import pick_cores
+from services.scheduler.policies.base import Learns, MinPolicy, PerPool, Policy, Waiting
+from tangram.contract import (
+    ActionResult,
+    Allocation,
+    Completion,
+    ErrorKind,
+    Inventory,
+    NodeLeaving,
+    NodeReport,
+    RunningAction,
+    UnifiedAction,
+)
+
+RECENT_LIMIT = 200_000  # finished action ids remembered to make late duplicates harmless
+DEPARTED_LIMIT = 10_000  # node incarnations remembered as gone, so their late reports are ignored
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The core's timing and limits (part of ``SchedulerConfig``, same env var names)."""
+
+    node_timeout_s: PositiveFloat = 5.0
+    dispatch_grace_s: PositiveFloat = 3.0  # how long a dispatch may go unreported before redone
+    # how long a cancelled running action may wait for its node's confirmation before it ends
+    kill_grace_s: PositiveFloat = 5.0
+    lookahead: NonNegInt = 64  # waiting actions per pool shown to the policy past the block
+
+
+@dataclass
+class _Pass:
+    """Scratch state of one scheduling pass."""
+
+    waiting: dict[str, list[UnifiedAction]] = field(default_factory=dict)
+    need: dict[str, int] = field(default_factory=dict)  # sum of minimums offered per node
+    blocked: set[str] = field(default_factory=set)  # an offered action did not fit at minimum
+    extra: dict[str, int] = field(default_factory=dict)  # lookahead offered past the block
+    full: set[str] = field(default_factory=set)  # lookahead exhausted
+    reserved: set[str] = field(default_factory=set)  # held for a blocked new trajectory
+    placed: dict[str, str] = field(default_factory=dict)  # trajectory -> node, this pass
+    placed_mb: dict[str, int] = field(default_factory=dict)  # env memory placed per node
+    unplaced_blocked: bool = False
+
+
+class SchedulerCore:
+    """Queue, nodes, environments and running actions; decisions via a :class:`Policy`."""
+
+    def __init__(self, policy: Policy | None = None, cfg: CoreConfig | None = None) -> None:
+        self.policy = policy or MinPolicy()
+        self.cfg = cfg or CoreConfig()
+        self.nodes: dict[str, Node] = {}
+        self.envs: dict[str, EnvPlacement] = {}
+        self.gone_envs: dict[str, str] = {}  # trajectory -> why its environment is gone
+        self.queue: dict[str, UnifiedAction] = {}  # FCFS by insertion
+        self.running: dict[str, Dispatched] = {}
+        # cancelled actions ended at their kill deadline whose cores the node may still use
+        self.killed: dict[str, Dispatched] = {}
+        self.recent: dict[str, None] = {}
+        self.departed: dict[tuple[str, str], None] = {}  # (node, incarnation) left or replaced
+        self.not_before = 0.0
+        self._views: dict[str, Waiting] = {}  # the policy's view of each queued action
+        self._pools: dict[str, PerPool] = {}  # node -> its own instance of a per-pool policy
+        # the optional hooks, checked once (the policy's class does not change)
+        self._learns = self.policy if isinstance(self.policy, Learns) else None
+        self._per_pool = self.policy if isinstance(self.policy, PerPool) else None
+        # A policy that only admits what fits at minimum needs no view past the block.
+        self._lookahead = self.cfg.lookahead if self.policy.lookahead else 0
+
+    # ------------------------------------------------------------------ intake
+
+    def known(self, action_id: str) -> bool:
+        return action_id in self.queue or action_id in self.running or action_id in self.recent
+
+    def enqueue(self, action: UnifiedAction, now: float) -> list[Effect]:
+        """Queue an action (idempotent by action_id)."""
+        if self.known(action.spec.action_id):
+            return []
+        self.queue[action.spec.action_id] = action
+        return []
+
+    def restore_running(
+        self,
+        action: UnifiedAction,
+        node_id: str,
+        incarnation: str,
+        cores: tuple[int, ...],
+        now: float,
+    ) -> None:
+        """An action Postgres says is running; it stays unconfirmed until its node reports."""
+        self.running[action.spec.action_id] = Dispatched(
+            action, node_id, incarnation, cores, now, restored=True
+        )
+
+    def restore_env(self, env: EnvPlacement) -> None:
+        self.envs[env.trajectory_id] = env
+
+    def hold_until(self, t: float) -> None:
+        """Make no decisions before ``t`` (node agents are reporting after a restart)."""
+        self.not_before = t
+
+    # ------------------------------------------------------------------ nodes
+
+    def node_report(self, report: NodeReport, now: float) -> list[Effect]:
+        """Register a node or take its heartbeat, and reconcile what it runs with our books.
+
+        A new incarnation of a known node means the old one died: what ran there and the
+        environments it held are lost. A late report from an incarnation that left or was
+        replaced changes nothing (it must not bring a ghost of the node back).
+        """
+        if (report.node_id, report.incarnation) in self.departed:
+            return []
+        node = self.nodes.get(report.node_id)
+        effects: list[Effect] = []
+        if node is not None and node.incarnation != report.incarnation:
+            self._depart(node)
+            effects += self._node_lost(node, now, "node agent restarted")
+            node = None
+        if node is None:
+            node = self._add_node(report, now)
+            effects += self._drop_stale(node, now)
+        node.last_seen = now
+        return effects + self._reconcile(node, report, now)
+
+    def _add_node(self, report: NodeReport, now: float) -> Node:
+        inv: Inventory = report.inventory
+        numa = {n.numa_node: tuple(n.cores) for n in inv.numa}
+        all_cores = {c for cs in numa.values() for c in cs}
+        node = Node(report.node_id, report.incarnation, numa, inv.memory_mb, all_cores, now)
+        self.nodes[node.node_id] = node
+        return node
+
+    def _drop_stale(self, node: Node, now: float) -> list[Effect]:
+        """Books restored from Postgres for this node: keep the current incarnation's only."""
+        effects: list[Effect] = []
+        for env in [e for e in self.envs.values() if e.node_id == node.node_id]:
+            if env.incarnation == node.incarnation:
+                node.reserved_mb += env.memory_mb
+            else:
+                effects.append(self._end_env(env, "lost", f"node {node.node_id} restarted"))
+        for aid, run in list(self.running.items()):
+            if run.node_id != node.node_id:
+                continue
+            if run.incarnation == node.incarnation:
+                node.free -= set(run.cores)
+            else:
+                del self.running[aid]
+                effects += self._finish(run.action, self._died(run, now, "node agent restarted"))
+        return effects
+
+    def _died(self, run: Dispatched, now: float, why: str) -> ActionResult:
+        return verdict(
+            run.action,
+            ErrorKind.NODE_DIED,
+            f"node {run.node_id} died: {why}",
+            now=now,
+            allocation=Allocation(node_id=run.node_id, cores=run.cores),
+            started_at=run.started_at,
+        )
+
+    def _reconcile(self, node: Node, report: NodeReport, now: float) -> list[Effect]:
+        """Match what the node reports running (or holding unacked) with our books."""
+        effects: list[Effect] = []
+        reported = {r.action_id: r for r in report.running}
+        for aid, run in list(self.running.items()):
+            if run.node_id != node.node_id or aid in reported:
+                if aid in reported:
+                    run.confirmed = True
+                continue
+            if run.confirmed:  # it ran there and vanished without a completion
+                del self.running[aid]
+                node.free |= set(run.cores)
+                effects += self._finish(run.action, self._died(run, now, "lost track of it"))
+            elif run.restored or now - run.started_at > self.cfg.dispatch_grace_s:
+                effects += self._redo(aid, node, now)
+        for aid, r in reported.items():
+            if aid in self.killed:
+                if r.cores:  # still running there: kill it once more
+                    effects.append(KillOnNode(node.node_id, aid, ErrorKind.CANCELLED))
+            elif aid not in self.running:
+                effects += self._adopt(node, aid, r.cores, r.attempt, now)
+        self._reconcile_killed(node, reported)
+        return effects
+
+    def _reconcile_killed(self, node: Node, reported: Mapping[str, RunningAction]) -> None:
+        """A killed action the node no longer lists, or lists without cores (only its
+        completion is pending there), is over: its cores are free again."""
+        for aid, run in list(self.killed.items()):
+            if run.node_id == node.node_id and not (aid in reported and reported[aid].cores):
+                del self.killed[aid]
+                self._free(run)
+
+    def _adopt(
+        self, node: Node, aid: str, cores: tuple[int, ...], attempt: int, now: float
+    ) -> list[Effect]:
+        """A node runs an action we only knew as queued (its dispatch record was lost)."""
+        action = self.queue.pop(aid, None)
+        self._views.pop(aid, None)
+        if action is None or not set(cores) <= node.free:
+            return [KillOnNode(node.node_id, aid, ErrorKind.INTERNAL)]
+        action = msgspec.structs.replace(action, attempt=attempt)
+        node.free -= set(cores)
+        self.running[aid] = Dispatched(action, node.node_id, node.incarnation, cores, now, True)
+        return []
+
+    def _redo(self, aid: str, node: Node, now: float) -> list[Effect]:
+        """The node never got this dispatch: it never started, so running it again is safe
+        (unless it was cancelled meanwhile: then it ends now)."""
+        run = self.running.pop(aid)
+        node.free |= set(run.cores)
+        if run.kill_by is not None:
+            cancelled = verdict(
+                run.action, ErrorKind.CANCELLED, "cancelled before it started", now=now
+            )
+            return self._finish(run.action, cancelled)
+        self.queue = {aid: run.action, **self.queue}
+        return []
+
+    def _node_lost(self, node: Node, now: float, why: str) -> list[Effect]:
+        """Fail what ran there (it may have half-run) and lose its environments."""
+        effects: list[Effect] = []
+        del self.nodes[node.node_id]
+        self._pools.pop(node.node_id, None)  # its reservations end with its environments
+        for aid, run in list(self.running.items()):
+            if run.node_id == node.node_id:
+                del self.running[aid]
+                effects += self._finish(run.action, self._died(run, now, why))
+        for aid in [a for a, run in self.killed.items() if run.node_id == node.node_id]:
+            del self.killed[aid]  # its cores went with the node
+        for env in list(self.envs.values()):
+            if env.node_id == node.node_id:
+                effects.append(self._end_env(env, "lost", f"node {node.node_id} died: {why}"))
+        return effects
+
+    def node_leaving(self, leaving: NodeLeaving, now: float) -> list[Effect]:
+        """A node agent is shutting down: first it drains (no new work), then it is gone.
+
+        When it is gone and says what it started, a dispatch it never started (it reached
+        the agent after it stopped taking work) goes back to the queue instead of failing,
+        and an environment booked for it but never created is released, not lost.
+        """
+        node = self.nodes.get(leaving.node_id)
+        if node is None or node.incarnation != leaving.incarnation:
+            return []
+        if leaving.draining:
+            node.draining = True
+            return []
+        self._depart(node)
+        effects: list[Effect] = []
+        if leaving.started is not None:
+            started, envs = set(leaving.started), set(leaving.envs or ())
+            effects += self._requeue_unstarted(node, started, envs, now)
+        return effects + self._node_lost(node, now, "node agent shut down")
+
+    def _requeue_unstarted(
+        self, node: Node, started: set[str], envs: set[str], now: float
+    ) -> list[Effect]:
+        effects: list[Effect] = []
+        for aid, run in list(self.running.items()):
+            if run.node_id != node.node_id or aid in started:
+                continue
+            effects += self._redo(aid, node, now)
+            env = self.envs.get(run.action.spec.trajectory_id)
+            if env is not None and env.node_id == node.node_id and env.trajectory_id not in envs:
+                why = f"node {node.node_id} left before creating it"
+                effects.append(self._end_env(env, "closed", why))  # nothing in it was lost
+        return effects
+
+    def _depart(self, node: Node) -> None:
+        self.departed[node.node_id, node.incarnation] = None
+        if len(self.departed) > DEPARTED_LIMIT:
+            del self.departed[next(iter(self.departed))]
+
+    def env_expired(self, node_id: str, trajectory_id: str) -> list[Effect]:
+        env = self.envs.get(trajectory_id)
+        if env is None or env.node_id != node_id:
+            return []
+        return [self._end_env(env, "expired", "idle longer than the environment TTL")]
+
+    def _end_env(self, env: EnvPlacement, status: str, reason: str) -> EnvChanged:
+        self.envs.pop(env.trajectory_id, None)
+        self._release(env.node_id, env.trajectory_id)
+        node = self.nodes.get(env.node_id)
+        if node is not None and node.incarnation == env.incarnation:
+            node.reserved_mb -= env.memory_mb
+        if status != "closed":
+            self.gone_envs[env.trajectory_id] = reason
+        else:
+            self.gone_envs.pop(env.trajectory_id, None)
+        return EnvChanged(
+            env.trajectory_id,
+            env.job_id,
+            env.node_id,
+            env.incarnation,
+            env.memory_mb,
+            status,
+            reason,
+        )
+
+    # ------------------------------------------------------------------ completions
+
+    def complete(self, c: Completion, now: float) -> list[Effect]:
+        """A node reports an attempt's end; stale or duplicate reports change nothing."""
+        killed = self.killed.get(c.action_id)
+        if killed is not None and _reports(c, killed):
+            del self.killed[c.action_id]  # ended already; the process is over: its cores are free
+            self._free(killed)
+            return []
+        run = self.running.get(c.action_id)
+        if run is None or not _reports(c, run):
+            return []
+        del self.running[c.action_id]
+        self._free(run)
+        allocation = Allocation(node_id=c.node_id, cores=run.cores)
+        result = completed(run.action, c.outcome, allocation, now=now)
+        if self._learns is not None and result.status == "succeeded" and result.timings:
+            self._learns.observe(run.action.spec.profile, len(run.cores), result.timings.exec_s)
+        return self._finish(run.action, result)
+
+    def _free(self, run: Dispatched) -> None:
+        """Give the cores back, unless the node they were booked on is gone or replaced."""
+        node = self.nodes.get(run.node_id)
+        if node is not None and node.incarnation == run.incarnation:
+            node.free |= set(run.cores)
+
+    def _finish(self, action: UnifiedAction, result: ActionResult) -> list[Effect]:
+        self._views.pop(action.spec.action_id, None)
+        self.recent[action.spec.action_id] = None
+        if len(self.recent) > RECENT_LIMIT:
+            del self.recent[next(iter(self.recent))]
+        return [Finish(action, result)]
+
+    def cancel(
+        self, action_id: str, now: float, why: str = "cancelled by the client"
+    ) -> list[Effect]:
+        action = self.queue.pop(action_id, None)
+        if action is not None:
+            return self._finish(action, verdict(action, ErrorKind.CANCELLED, why, now=now))
+        run = self.running.get(action_id)
+        if run is not None:
+            return self._kill(action_id, run, now)
+        return []
+
+    def _kill(self, action_id: str, run: Dispatched, now: float) -> list[Effect]:
+        """Ask the node to kill it; it ends at the deadline if the node does not confirm."""
+        if run.kill_by is None:
+            run.kill_by = now + self.cfg.kill_grace_s
+        return [KillOnNode(run.node_id, action_id, ErrorKind.CANCELLED)]
+
+    def close_env(self, trajectory_id: str, now: float) -> list[Effect]:
+        """Cancel the trajectory's queued and running actions and remove its environment."""
+        effects: list[Effect] = []
+        for aid in [a for a, act in self.queue.items() if act.spec.trajectory_id == trajectory_id]:
+            effects += self.cancel(aid, now, "environment closed")
+        for aid, run in self.running.items():
+            if run.action.spec.trajectory_id == trajectory_id:
+                effects += self._kill(aid, run, now)
+        self.gone_envs.pop(trajectory_id, None)
+        env = self.envs.get(trajectory_id)
+        if env is not None:
+            effects.append(DropEnvOnNode(env.node_id, trajectory_id))
+            effects.append(self._end_env(env, "closed", "closed by the client"))
+        return effects
+
+    # ------------------------------------------------------------------ time
+
+    def tick(self, now: float) -> list[Effect]:
+        """Expire queue timeouts, declare silent nodes dead, fail orphaned restored actions."""
+        effects: list[Effect] = []
+        for node in [n for n in self.nodes.values() if now - n.last_seen > self.cfg.node_timeout_s]:
+            effects += self._node_lost(node, now, "no heartbeat")
+        for aid, act in list(self.queue.items()):
+            limit = act.spec.queue_timeout_s
+            if limit is not None and now - act.submitted_at > limit:
+                del self.queue[aid]
+                effects += self._finish(
+                    act,
+                    verdict(
+                        act,
+                        ErrorKind.QUEUE_TIMEOUT,
+                        f"waited more than {limit}s in the queue",
+                        now=now,
+                    ),
+                )
+        if now >= self.not_before + self.cfg.node_timeout_s:
+            effects += self._fail_orphans(now)
+        return effects + self._end_unconfirmed_kills(now)
+
+    def _end_unconfirmed_kills(self, now: float) -> list[Effect]:
+        """Cancelled actions whose node did not confirm the kill in time end ``cancelled``;
+        their cores stay booked (``killed``) until the node shows the process is over."""
+        effects: list[Effect] = []
+        for aid, run in list(self.running.items()):
+            if run.kill_by is None or now < run.kill_by:
+                continue
+            del self.running[aid]
+            self.killed[aid] = run
+            why = f"cancelled; node {run.node_id} did not confirm the kill within "
+            why += f"{self.cfg.kill_grace_s:g}s"
+            effects += self._finish(
+                run.action,
+                verdict(
+                    run.action,
+                    ErrorKind.CANCELLED,
+                    why,
+                    now=now,
+                    allocation=Allocation(node_id=run.node_id, cores=run.cores),
+                    started_at=run.started_at,
+                ),
+            )
+        return effects
+
+    def _fail_orphans(self, now: float) -> list[Effect]:
+        """Restored running actions whose node never came back."""
+        effects: list[Effect] = []
+        for aid, run in list(self.running.items()):
+            node = self.nodes.get(run.node_id)
+            if run.restored and (node is None or node.incarnation != run.incarnation):
+                del self.running[aid]
+                effects += self._finish(
+                    run.action,
+                    verdict(
+                        run.action,
+                        ErrorKind.NODE_DIED,
+                        f"node {run.node_id} did not come back",
+                        now=now,
+                        started_at=run.started_at,
+                    ),
+                )
+        return effects
+
+    # ------------------------------------------------------------------ decisions
+
+    def schedule(self, now: float) -> list[Effect]:
+        """Start every action the policy admits now, FCFS per node pool."""
+        if now < self.not_before or not self.queue:
+            return []
+        p = _Pass()
+        effects: list[Effect] = []
+        for act in list(self.queue.values()):
+            tid = act.spec.trajectory_id
+            node_id = self._node_of(tid, p)
+            if node_id is None and tid in self.gone_envs:
+                del self.queue[act.spec.action_id]
+                effects += self._finish(
+                    act, verdict(act, ErrorKind.ENVIRONMENT_LOST, self.gone_envs[tid], now=now)
+                )
+                continue
+            if node_id is None:
+                if p.unplaced_blocked:
+                    continue
+                node_id = self._place(act, p)
+                if node_id is None:
+                    effects += self._block_unplaced(act, p, now)
+                    continue
+            self._offer(p, node_id, act)
+            if len(p.full) == len(self.nodes):
+                break  # every pool is blocked with its lookahead filled: nothing later can start
+        for node_id, waiting in p.waiting.items():
+            effects += self._admit(self.nodes[node_id], waiting, now)
+        return effects
+
+    def _node_of(self, tid: str, p: _Pass) -> str | None:
+        env = self.envs.get(tid)
+        if env is not None:
+            return env.node_id if env.node_id in self.nodes else None
+        return p.placed.get(tid)
+
+    def _offer(self, p: _Pass, node_id: str, act: UnifiedAction) -> None:
+        """Add ``act`` to its pool's FCFS list: fitting at minimum, or as lookahead."""
+        if node_id in p.full or node_id in p.reserved or self.nodes[node_id].draining:
+            return
+        p.waiting.setdefault(node_id, []).append(act)
+        if node_id in p.blocked:
+            p.extra[node_id] = extra = p.extra.get(node_id, 0) + 1
+            if extra >= self._lookahead:
+                p.full.add(node_id)
+            return
+        need = p.need.get(node_id, 0) + act.demands[0].min
+        if need > len(self.nodes[node_id].free):
+            p.blocked.add(node_id)
+        else:
+            p.need[node_id] = need
+
+    def _place(self, act: UnifiedAction, p: _Pass) -> str | None:
+        """CPU-memory load balance over nodes with room for the action and its environment."""
+        best: tuple[float, int, str] | None = None
+        for node in self.nodes.values():
+            if node.node_id in p.blocked or node.node_id in p.reserved or node.draining:
+                continue
+            free_cores = len(node.free) - p.need.get(node.node_id, 0)
+            free_mem = node.memory_mb - node.reserved_mb - p.placed_mb.get(node.node_id, 0)
+            if free_cores < act.demands[0].min or free_mem < act.env_memory_mb:
+                continue
+            load = (node.memory_mb - free_mem + act.env_memory_mb) / max(1, node.memory_mb)
+            key = (load, -free_cores, node.node_id)
+            if best is None or key < best:
+                best = key
+        if best is None:
+            return None
+        node_id = best[2]
+        p.placed[act.spec.trajectory_id] = node_id
+        p.placed_mb[node_id] = p.placed_mb.get(node_id, 0) + act.env_memory_mb
+        return node_id
+
+    def _block_unplaced(self, act: UnifiedAction, p: _Pass, now: float) -> list[Effect]:
+        """The first new trajectory that fits nowhere reserves the emptiest node that could hold
+        it, so that later actions cannot starve it; later new trajectories wait behind it."""
+        impossible = self._reject_impossible(act, now)
+        if impossible:
+            return impossible
+        p.unplaced_blocked = True
+        room = [
+            (len(n.free) - p.need.get(n.node_id, 0), n.node_id)
+            for n in self.nodes.values()
+            if n.memory_mb - n.reserved_mb - p.placed_mb.get(n.node_id, 0) >= act.env_memory_mb
+        ]
+        if room:
+            p.reserved.add(max(room)[1])
+        return []
+
+    def _reject_impossible(self, act: UnifiedAction, now: float) -> list[Effect]:
+        """An action no node could ever hold fails now instead of blocking the queue forever."""
+        if not self.nodes:
+            return []
+        most_cores = max(n.capacity for n in self.nodes.values())
+        most_mem = max(n.memory_mb for n in self.nodes.values())
+        if act.demands[0].min <= most_cores and act.env_memory_mb <= most_mem:
+            return []
+        del self.queue[act.spec.action_id]
+        return self._finish(
+            act,
+            verdict(
+                act,
+                ErrorKind.INVALID_REQUEST,
+                f"no node can hold it: the largest has {most_cores} cores and {most_mem} MiB",
+                now=now,
+            ),
+        )
+
+    def _admit(self, node: Node, acts: list[UnifiedAction], now: float) -> list[Effect]:
+        waiting = [self._view(a) for a in acts]
+        busy = [
+            views.running(r.action, len(r.cores), r.started_at)
+            for r in self.running.values()
+            if r.node_id == node.node_id
+        ]
+        policy = self._pool_policy(node.node_id)
+        grants = policy.arrange(waiting, len(node.free), node.capacity, busy, now)
+        effects: list[Effect] = []
+        for act, units in zip(acts, grants, strict=False):
+            if units > 0:  # a policy that is not prefix-only says "not now" with 0
+                effects += self._start(node, act, units, now)
+        self._release_unstarted(node.node_id, acts)
+        return effects
+
+    def _pool_policy(self, node_id: str) -> Policy:
+        """The node's own instance of a policy with per-pool state, else the shared policy."""
+        if self._per_pool is None:
+            return self.policy
+        policy = self._pools.get(node_id)
+        if policy is None:
+            policy = self._pools[node_id] = self._per_pool.for_pool()
+        return policy
+
+    def _release(self, node_id: str, trajectory_id: str) -> None:
+        """Tell the node's pool policy that the trajectory holds nothing there any more."""
+        pool = self._pools.get(node_id)
+        if pool is not None:
+            pool.close_trajectory(trajectory_id)
+
+    def _release_unstarted(self, node_id: str, acts: list[UnifiedAction]) -> None:
+        """A new trajectory the pool reserved for but did not start has no environment here
+        yet; the next pass may place it on another node, so it must not hold this pool."""
+        if node_id not in self._pools:
+            return
+        for act in acts:
+            if act.spec.trajectory_id not in self.envs:
+                self._release(node_id, act.spec.trajectory_id)
+
+    def _view(self, act: UnifiedAction) -> Waiting:
+        aid = act.spec.action_id
+        view = self._views.get(aid)
+        if view is None:
+            view = self._views[aid] = views.waiting(act)
+        return view
+
+    def _start(self, node: Node, act: UnifiedAction, units: int, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        tid = act.spec.trajectory_id
+        if tid not in self.envs:
+            env = EnvPlacement(
+                tid, act.spec.job_id, node.node_id, node.incarnation, act.env_memory_mb
+            )
+            self.envs[tid] = env
+            node.reserved_mb += env.memory_mb
+            effects.append(
+                EnvChanged(tid, env.job_id, node.node_id, node.incarnation, env.memory_mb, "active")
+            )
+        cores = pick_cores(node.free, node.numa, units)
+        node.free -= set(cores)
+        del self.queue[act.spec.action_id]
+        self._views.pop(act.spec.action_id, None)
+        act = msgspec.structs.replace(act, attempt=act.attempt + 1)
+        self.running[act.spec.action_id] = Dispatched(
+            act, node.node_id, node.incarnation, cores, now
+        )
+        effects.append(StartOnNode(node.node_id, act, cores, node.incarnation))
+        return effects
+
+    def snapshot(self) -> dict[str, int]:
+        """Counters for status lines and metrics."""
+        return {
+            "queued": len(self.queue),
+            "running": len(self.running),
+            "nodes": len(self.nodes),
+            "envs": len(self.envs),
+            "free_cores": sum(len(n.free) for n in self.nodes.values()),
+        }
+
+
+def _reports(c: Completion, run: Dispatched) -> bool:
+    """The completion is of this very dispatch (an agent that left or was replaced, or an
+    earlier attempt, never ran it)."""
+    return (
+        run.node_id == c.node_id
+        and run.action.attempt == c.attempt
+        and run.incarnation == c.incarnation
+    )

@@ -1,0 +1,7 @@
+"""Allocation policies: given one pool's FCFS queue, who starts now and with how many units.
+
+``base.py`` declares the policy contract (``Policy`` and its optional hooks ``Learns`` and
+``PerPool``) and the min baseline; ``spec.py`` parses a policy name as data and builds it;
+``elastic.py`` is Algorithms 1-2 (with ``dparrange.py``, ``act_kernel.py`` compiled and
+``durations.py`` learned durations); ``fixed.py`` and ``static.py`` are the baselines.
+"""

@@ -1,0 +1,228 @@
+"""The bus's behaviours, run on both transports: the in-memory bus and a real nats-server.
+
+One suite, two brokers (as faststream tests its fake broker): whatever a service-shell test
+learns on the memory bus holds on NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+
+import msgspec
+import pytest
+from nats.aio.msg import Msg
+
+from tangram.bus import MAX_NESTING, BaseBus, Bus
+from tangram.contract import Ack, Done, ErrorReply, GetResult, NodeCommand, Reconcile, codec
+from tangram.embedded import EmbeddedNats
+from tangram.errors import Busy, NotFound, RemoteError, Unavailable
+from tangram.membus import MemoryBroker, matches
+from tangram.subjects import Endpoint, GatewayAnswer
+
+from ..support import eventually
+
+Connect = Callable[[str], Awaitable[BaseBus]]
+GatewayLike = Endpoint[GetResult, GatewayAnswer]
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server = EmbeddedNats(tmp_path_factory.mktemp("nats")).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["memory", "nats"])
+async def connect(request: pytest.FixtureRequest) -> AsyncIterator[Connect]:
+    """``await connect(name)``: a bus on this test's broker (closed after the test)."""
+    opened: list[BaseBus] = []
+    broker = MemoryBroker()
+    url = request.getfixturevalue("nats_url") if request.param == "nats" else ""
+
+    async def connect(name: str) -> BaseBus:
+        if request.param == "memory":
+            bus: BaseBus = broker.connect(name)
+        else:
+            bus = await Bus.connect(url, name)
+        opened.append(bus)
+        return bus
+
+    try:
+        yield connect
+    finally:
+        for bus in opened:
+            await bus.close()
+
+
+@pytest.fixture
+def endpoint() -> GatewayLike:
+    return Endpoint[GetResult, GatewayAnswer](
+        f"test.{uuid.uuid4().hex[:8]}.gw", GetResult, GatewayAnswer
+    )
+
+
+async def answer(req: GetResult, msg: Msg) -> GatewayAnswer:
+    if req.action_id == "missing":
+        raise NotFound(f"no action {req.action_id!r}")
+    if req.action_id == "bug":
+        raise ZeroDivisionError
+    return Done()
+
+
+async def serving(connect: Connect, endpoint: GatewayLike, **kw: object) -> BaseBus:
+    server = await connect("server")
+    server.serve(endpoint, answer, **kw)  # type: ignore[arg-type]
+    await server.start()
+    return server
+
+
+async def test_a_typed_request_gets_its_typed_reply(connect: Connect, endpoint: GatewayLike):
+    await serving(connect, endpoint)
+    client = await connect("client")
+    assert await client.request(endpoint, GetResult(action_id="a"), timeout=5) == Done()
+
+
+async def test_handler_errors_become_typed_errors(connect: Connect, endpoint: GatewayLike):
+    await serving(connect, endpoint)
+    client = await connect("client")
+    with pytest.raises(NotFound, match="missing"):
+        await client.request(endpoint, GetResult(action_id="missing"), timeout=5)
+    with pytest.raises(RemoteError, match="internal error") as bug:
+        await client.request(endpoint, GetResult(action_id="bug"), timeout=5)
+    assert bug.value.code == "internal"
+    assert await client.request(endpoint, GetResult(action_id="a"), timeout=5) == Done()
+
+
+DEEP = b"\x83\xa4type\xaaget_result\xa9action_id\xa1x\xa2zz" + b"\x91" * 1000 + b"\x01"
+UNDECODABLE = [
+    (b"\xc1 not msgpack", "malformed"),
+    (msgspec.msgpack.encode({"action_id": 5}), "action_id"),
+    (DEEP, f"nested deeper than {MAX_NESTING}"),
+    (b"\x91" * (MAX_NESTING + 1) + b"\x01", f"nested deeper than {MAX_NESTING}"),
+    (b"\x00" * (600 * 1024), "exceeds"),
+]
+
+
+@pytest.mark.parametrize(("payload", "names"), UNDECODABLE)
+async def test_every_undecodable_request_gets_an_invalid_request_reply(
+    connect: Connect, endpoint: GatewayLike, payload: bytes, names: str
+):
+    server = await serving(connect, endpoint)
+    client = await connect("client")
+    err = codec.decode(await client._ask(endpoint.subject, payload, None, timeout=5), ErrorReply)
+    assert err.code == "invalid_request"
+    assert names in err.message
+    assert await client.request(endpoint, GetResult(action_id="a"), timeout=5) == Done()
+    assert server._servers[0].served >= 2
+
+
+async def test_an_undecodable_reply_is_a_typed_error(connect: Connect, endpoint: GatewayLike):
+    wrong = Endpoint[GetResult, Ack](endpoint.subject, GetResult, Ack)  # the server answers Done
+    await serving(connect, endpoint)
+    client = await connect("client")
+    with pytest.raises(RemoteError, match="undecodable reply") as exc:
+        await client.request(wrong, GetResult(action_id="a"), timeout=5)
+    assert exc.value.code == "invalid_reply"
+
+
+async def test_no_responder_and_timeout_are_unavailable(connect: Connect, endpoint: GatewayLike):
+    client = await connect("client")
+    with pytest.raises(Unavailable):
+        await client.request(endpoint, GetResult(action_id="a"), timeout=5)
+    silent = await connect("silent")
+    release = asyncio.Event()
+
+    async def never(req: GetResult, msg: Msg) -> GatewayAnswer:
+        await release.wait()
+        return Done()
+
+    silent.serve(endpoint, never)
+    await silent.start()
+    with pytest.raises(Unavailable, match="no reply"):
+        await client.request(endpoint, GetResult(action_id="a"), timeout=0.2)
+    release.set()
+
+
+async def test_a_queue_group_gets_each_message_once(connect: Connect):
+    subject = f"test.{uuid.uuid4().hex[:8]}.nodes"
+    grouped = Endpoint[NodeCommand, Ack](subject, NodeCommand, Ack, queue="q")
+    everyone = Endpoint[NodeCommand, Ack](subject, NodeCommand, Ack)
+    got: dict[str, list[int]] = {"a": [], "b": [], "all": []}
+
+    def recorder(name: str) -> Callable[[NodeCommand, Msg], Awaitable[None]]:
+        async def record(cmd: NodeCommand, msg: Msg) -> None:
+            got[name].append(cmd.epoch)
+
+        return record
+
+    for name, ep in (("a", grouped), ("b", grouped), ("all", everyone)):
+        bus = await connect(name)
+        bus.serve(ep, recorder(name))
+        await bus.start()
+    sender = await connect("sender")
+    for epoch in range(20):
+        await sender.publish(grouped, Reconcile(epoch=epoch))
+    await eventually(lambda: len(got["all"]) == 20, what="every message at the plain subscriber")
+    await eventually(lambda: len(got["a"]) + len(got["b"]) == 20, what="the queue group's share")
+    assert got["all"] == list(range(20))  # in order
+    assert sorted(got["a"] + got["b"]) == list(range(20))  # each once
+
+
+async def test_overload_is_answered_busy(connect: Connect, endpoint: GatewayLike):
+    server = await connect("server")
+    release, entered = asyncio.Event(), asyncio.Semaphore(0)
+
+    async def slow(req: GetResult, msg: Msg) -> GatewayAnswer:
+        entered.release()
+        await release.wait()
+        return Done()
+
+    server.serve(endpoint, slow, max_in_flight=2)
+    await server.start()
+    client = await connect("client")
+    first = [
+        asyncio.ensure_future(client.request(endpoint, GetResult(action_id=f"{i}"), timeout=5))
+        for i in range(2)
+    ]
+    for _ in range(2):
+        await asyncio.wait_for(entered.acquire(), 5)
+    with pytest.raises(Busy):
+        await client.request(endpoint, GetResult(action_id="third"), timeout=5)
+    release.set()
+    assert await asyncio.gather(*first) == [Done(), Done()]
+
+
+async def test_stop_serving_finishes_in_flight_work_then_stops_intake(
+    connect: Connect, endpoint: GatewayLike
+):
+    server = await connect("server")
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def slow(req: GetResult, msg: Msg) -> GatewayAnswer:
+        entered.set()
+        await release.wait()
+        return Done()
+
+    server.serve(endpoint, slow, max_in_flight=8)
+    await server.start()
+    client = await connect("client")
+    pending = asyncio.ensure_future(client.request(endpoint, GetResult(action_id="a"), timeout=5))
+    await asyncio.wait_for(entered.wait(), 5)
+    stopping = asyncio.ensure_future(server.stop_serving(grace_s=5))
+    release.set()
+    await stopping
+    assert await pending == Done()
+    with pytest.raises(Unavailable):
+        await client.request(endpoint, GetResult(action_id="b"), timeout=0.5)
+
+
+def test_subject_wildcards_match_as_in_nats():
+    assert matches("a.*.c", "a.b.c")
+    assert not matches("a.*", "a.b.c")
+    assert matches("a.>", "a.b.c")
+    assert not matches("a.>", "a")
+    assert not matches("a.b", "a.b.c")

@@ -1,0 +1,78 @@
+"""The client's retry budget against a real nats-server: a request whose reply was lost (as in
+a broker restart) is made again instead of being awaited for the whole budget, and a client
+that gives up says how long it tried."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from nats.aio.msg import Msg
+
+from tangram import subjects
+from tangram.bus import Bus
+from tangram.client import ATTEMPT_FIRST_S, Client
+from tangram.contract import Accepted, ActionSpec, ExecAction, encode
+from tangram.embedded import EmbeddedNats
+from tangram.errors import Unavailable
+
+
+@pytest.fixture
+async def nats_url(tmp_path: Path) -> AsyncIterator[str]:
+    server = await asyncio.to_thread(EmbeddedNats(tmp_path / "nats").start)
+    try:
+        yield server.url
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+class LossyGateway:
+    """Answers submits on the gateway subject, but drops the first ``drop`` requests."""
+
+    def __init__(self, bus: Bus, drop: int) -> None:
+        self.bus, self.drop, self.seen = bus, drop, 0
+
+    async def start(self) -> None:
+        await self.bus.nc.subscribe(subjects.GATEWAY.subject, cb=self.on_msg)
+
+    async def on_msg(self, msg: Msg) -> None:
+        self.seen += 1
+        if self.seen > self.drop:
+            await msg.respond(encode(Accepted(action_id="a")))
+
+
+def spec() -> ActionSpec:
+    return ActionSpec(
+        action_id="a", job_id="j", trajectory_id="t", action=ExecAction(command="true")
+    )
+
+
+async def test_a_lost_reply_is_retried_within_the_budget(nats_url: str) -> None:
+    bus = await Bus.connect(nats_url, "lossy-gateway")
+    try:
+        gateway = LossyGateway(bus, drop=1)
+        await gateway.start()
+        async with Client.connect(nats_url) as client:
+            t0 = time.monotonic()
+            ack = await client.submit(spec())
+            took = time.monotonic() - t0
+    finally:
+        await bus.close()
+    assert ack.action_id == "a"
+    assert gateway.seen == 2  # the same idempotent submit, made again
+    assert ATTEMPT_FIRST_S <= took < ATTEMPT_FIRST_S + 2.0
+
+
+async def test_giving_up_says_how_long_the_client_tried(nats_url: str) -> None:
+    bus = await Bus.connect(nats_url, "silent-gateway")
+    try:
+        gateway = LossyGateway(bus, drop=10**9)
+        await gateway.start()
+        async with Client.connect(nats_url, request_timeout=3.0) as client:
+            with pytest.raises(Unavailable, match=r"gave up after 2 tries over 3\.\ds"):
+                await client.submit(spec())
+    finally:
+        await bus.close()

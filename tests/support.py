@@ -1,0 +1,77 @@
+"""Helpers every test shares: waiting on a condition (``eventually``) and starting a mesh
+(``running_mesh``). Tests wait on conditions with a deadline, never on bare sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+from tangram.launcher import Mesh, MeshOptions
+
+T = TypeVar("T")
+
+FAST_SERVICES = {
+    "TANGRAM_SCHEDULER_NODE_TIMEOUT_S": "3",
+    "TANGRAM_SCHEDULER_RECONCILE_GRACE_S": "0.5",
+    "TANGRAM_SCHEDULER_SWEEP_S": "1",
+    "TANGRAM_CPU_HEARTBEAT_S": "0.5",
+}
+
+
+async def eventually(
+    probe: Callable[[], T | Awaitable[T]],
+    *,
+    what: str,
+    timeout_s: float = 15.0,
+    interval_s: float = 0.02,
+) -> T:
+    """Call ``probe`` (sync or async) until it returns something truthy, and return that.
+
+    Fails loudly: after ``timeout_s`` raises AssertionError naming ``what`` and the last value
+    (or the last exception) the probe gave."""
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while True:
+        try:
+            value = probe()
+            if inspect.isawaitable(value):
+                value = await value
+            if value:
+                return value  # type: ignore[return-value]
+            last = value
+        except AssertionError as exc:
+            last = exc
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
+        await asyncio.sleep(interval_s)
+
+
+def mesh_options(root: Path, **kw: object) -> MeshOptions:
+    """Options for a test mesh under ``root``: the process backend and fast service timers;
+    ``env`` adds to (or overrides) those timers, other keywords go to MeshOptions."""
+    env = dict(FAST_SERVICES)
+    env.update(kw.pop("env", {}) or {})  # type: ignore[arg-type]
+    kw.setdefault("backend", "process")
+    return MeshOptions(state_dir=root, fsync=False, env=env, **kw)  # type: ignore[arg-type]
+
+
+@contextlib.asynccontextmanager
+async def running_mesh(
+    root: Path, *, servers_only: bool = False, **kw: object
+) -> AsyncIterator[Mesh]:
+    """A mesh under ``root`` (see :func:`mesh_options`), stopped on exit even when its start
+    failed half-way. ``servers_only`` starts NATS and Postgres alone (the test starts services)."""
+    mesh = Mesh(mesh_options(root, **kw))
+    try:
+        if servers_only:
+            await mesh.start_servers()
+        else:
+            await mesh.start()
+        yield mesh
+    finally:
+        await mesh.stop()

@@ -1,0 +1,126 @@
+"""The agent shell on the in-memory bus with a fake executor and a fake scheduler: what it
+says, in which order, and that nothing follows its goodbye."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import pytest
+
+from tangram import subjects
+from tangram.agent import Agent, AgentConfig
+from tangram.contract import (
+    Ack,
+    Completion,
+    Dispatch,
+    ErrorKind,
+    Inventory,
+    NodeLeaving,
+    NodeMessage,
+    NodeReport,
+    NumaCores,
+    Outcome,
+)
+from tangram.errors import Unavailable
+from tangram.membus import MemoryBroker
+
+from ..support import eventually
+from .test_agent_core import dispatch
+
+
+class FakeExecutor:
+    """Runs each dispatch until released; remembers what it was asked."""
+
+    def __init__(self) -> None:
+        self.release: dict[str, asyncio.Event] = {}
+        self.killed: list[str] = []
+        self.closed = False
+
+    async def start(self) -> Inventory:
+        cores = NumaCores(numa_node=0, cores=(0, 1))
+        return Inventory(numa=(cores,), memory_mb=64, backend="fake", isolates=False)
+
+    async def close(self) -> None:
+        self.closed = True
+
+    async def run(self, dispatch: Dispatch) -> Outcome:
+        aid = dispatch.action.spec.action_id
+        await self.release.setdefault(aid, asyncio.Event()).wait()
+        return Outcome(exit_code=0, stdout=aid, started_at=1.0, finished_at=2.0)
+
+    async def kill(self, action_id: str) -> None:
+        self.killed.append(action_id)
+        self.release.setdefault(action_id, asyncio.Event()).set()
+
+    async def drop_env(self, trajectory_id: str) -> None:
+        pass
+
+    def envs(self) -> Mapping[str, float]:
+        return {}
+
+
+class FakeScheduler:
+    """Hears what agents say, in order; acks completions only once ``acking`` is set."""
+
+    def __init__(self) -> None:
+        self.heard: list[NodeMessage] = []
+        self.acking = asyncio.Event()
+
+    async def on_node(self, msg: NodeMessage, _raw: Any) -> Ack:
+        self.heard.append(msg)
+        if isinstance(msg, Completion) and not self.acking.is_set():
+            raise Unavailable("not now")
+        return Ack()
+
+    def of(self, typ: type[Any]) -> list[Any]:
+        return [m for m in self.heard if isinstance(m, typ)]
+
+
+@pytest.fixture
+async def mesh() -> AsyncIterator[tuple[Agent, FakeExecutor, FakeScheduler, Any]]:
+    broker = MemoryBroker()
+    scheduler, sbus = FakeScheduler(), broker.connect("scheduler")
+    sbus.serve(subjects.SCHED_NODES, scheduler.on_node, max_in_flight=1)
+    await sbus.start()
+    bus = broker.connect("agent")
+    cfg = AgentConfig(node_id="n0", incarnation="inc", heartbeat_s=0.02, resend_s=0.02)
+    executor = FakeExecutor()
+    agent = Agent(bus, executor, cfg)
+    try:
+        yield agent, executor, scheduler, sbus
+    finally:
+        await agent.stop(0.1)
+        await bus.close()
+        await sbus.close()
+
+
+async def test_a_completion_is_resent_until_acked_and_goodbye_is_last(
+    mesh: tuple[Agent, FakeExecutor, FakeScheduler, Any],
+):
+    agent, executor, scheduler, sbus = mesh
+    await agent.start()
+    await eventually(lambda: scheduler.of(NodeReport), what="registration")
+    await sbus.publish(subjects.node("n0"), dispatch("a", incarnation="inc"))
+    await eventually(lambda: "a" in executor.release, what="the run to start")
+    executor.release["a"].set()
+    await eventually(lambda: len(scheduler.of(Completion)) >= 3, what="re-sends")
+    scheduler.acking.set()
+    await eventually(lambda: not agent.core.unacked, what="the ack")
+    await eventually(
+        lambda: [r for r in scheduler.of(NodeReport) if r.progress and r.progress.finished == 1],
+        what="progress in a heartbeat",
+    )
+    await eventually(lambda: scheduler.of(NodeReport)[-1].running == (), what="acked: not held")
+    await sbus.publish(subjects.node("n0"), dispatch("b", cores=(1,), incarnation="inc"))
+    await eventually(lambda: "b" in executor.release, what="the second run")
+    await agent.stop(0.05)
+    leaving = scheduler.of(NodeLeaving)
+    assert [m.draining for m in leaving] == [True, False]
+    assert leaving[1].started == ()  # b was killed after the drain bound, its report acked
+    assert scheduler.heard[-1] is leaving[1], "the agent spoke after its goodbye"
+    assert executor.killed == ["b"]
+    assert executor.closed
+    (b,) = [c for c in scheduler.of(Completion) if c.action_id == "b"]
+    assert b.outcome.failure is ErrorKind.NODE_DIED

@@ -1,0 +1,161 @@
+"""The invariant host copy: one slab, a faithful layout, bit-exact restores, no write-back."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from services.gpu_manager.host_copy import (
+    ALIGN,
+    OVERLAP_BYTES,
+    HostCopy,
+    copy_chunked,
+    measure_headroom,
+)
+from tests import gpu_models
+
+TOKENS = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+
+
+def _outputs(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(x)
+
+
+def test_mlp_restore_is_bit_exact() -> None:
+    model = gpu_models.mlp()
+    x = torch.randn(5, 8)
+    ref = _outputs(model, x)
+    resident = HostCopy(model).restore("cpu")
+    assert torch.equal(_outputs(resident.model, x), ref)
+
+
+def test_ties_buffers_and_dtypes_survive() -> None:
+    model = gpu_models.tied_lm()
+    ref = _outputs(model, TOKENS)
+    copy = HostCopy(model)
+    assert set(copy.layout.regions) == {torch.float32, torch.float16, torch.int64}
+    restored = copy.restore("cpu").model
+    assert isinstance(restored, gpu_models.TiedLM)
+    assert restored.head.weight is restored.emb.weight
+    assert not restored.training
+    assert torch.equal(_outputs(restored, TOKENS), ref)
+
+
+def test_capture_frees_the_model_and_keeps_one_entry_per_tie() -> None:
+    model = gpu_models.tied_lm()
+    copy = HostCopy(model)
+    assert all(t.device.type == "meta" for t in model.state_dict().values())
+    names = [e.name for e in copy.layout.entries]
+    assert "emb.weight" in names
+    assert "head.weight" not in names
+    assert "scale" in names  # non-persistent buffers are state too
+
+
+def test_layout_is_aligned_disjoint_and_grouped_by_dtype() -> None:
+    layout = HostCopy(gpu_models.tied_lm()).layout
+    spans = sorted((e.offset, e.offset + e.nbytes) for e in layout.entries)
+    assert all(a % ALIGN == 0 for a, _ in spans)
+    assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans))
+    for dtype, (start, size) in layout.regions.items():
+        for e in layout.entries:
+            inside = start <= e.offset < start + size
+            assert inside == (e.dtype == dtype)
+    assert layout.nbytes == sum(size for _, size in layout.regions.values())
+
+
+def test_mutating_a_resident_model_leaves_the_host_copy_intact() -> None:
+    model = gpu_models.tied_lm()
+    ref = _outputs(model, TOKENS)
+    copy = HostCopy(model)
+    host_before = copy.host.clone()
+    first = copy.restore("cpu").model.train()
+    first(TOKENS)  # updates batch-norm running stats in the arena
+    with torch.no_grad():
+        first.mix.weight.mul_(2)
+    again = copy.restore("cpu").model  # evict (drop) and restore
+    assert torch.equal(copy.host, host_before)
+    assert torch.equal(_outputs(again, TOKENS), ref)
+
+
+def test_two_residents_are_independent() -> None:
+    copy = HostCopy(gpu_models.mlp())
+    a, b = copy.restore("cpu"), copy.restore("cpu")
+    assert a.arena.data_ptr() != b.arena.data_ptr()
+    with torch.no_grad():
+        next(a.model.parameters()).zero_()
+    x = torch.randn(3, 8)
+    assert not torch.equal(_outputs(a.model, x), _outputs(b.model, x))
+
+
+def test_restore_into_a_preallocated_arena() -> None:
+    model = gpu_models.mlp()
+    x = torch.randn(2, 8)
+    ref = _outputs(model, x)
+    copy = HostCopy(model)
+    arena = torch.full((copy.nbytes + 1000,), 7, dtype=torch.uint8)
+    resident = copy.restore("cpu", arena)
+    assert resident.arena.data_ptr() == arena.data_ptr()
+    assert torch.equal(_outputs(resident.model, x), ref)
+
+
+@pytest.mark.parametrize(
+    "arena",
+    [torch.empty(16, dtype=torch.uint8), torch.empty(1 << 20, dtype=torch.float32)],
+)
+def test_unfit_arena_is_refused(arena: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match="arena"):
+        HostCopy(gpu_models.mlp()).restore("cpu", arena)
+
+
+def test_chunked_copy_covers_every_byte() -> None:
+    src = torch.randint(0, 255, (1000,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    copy_chunked(src, dst, chunk_bytes=77)
+    assert torch.equal(src, dst)
+
+
+def test_headroom_is_zero_where_unmeasurable() -> None:
+    resident = HostCopy(gpu_models.mlp()).restore("cpu")
+    assert measure_headroom(resident, gpu_models.mlp_handle, [[0.0] * 8]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_restore_from_pinned_host_copy() -> None:  # pragma: no cover - needs a GPU
+    model = gpu_models.mlp()
+    x = torch.randn(4, 8)
+    ref = _outputs(model, x)
+    copy = HostCopy(model)
+    assert copy.host.is_pinned()
+    resident = copy.restore("cuda:0")
+    assert torch.allclose(_outputs(resident.model, x.cuda()).cpu(), ref, atol=1e-5)
+    assert measure_headroom(resident, gpu_models.mlp_handle, [[0.0] * 8] * 64) > 0
+
+
+def test_large_restore_overlaps_the_copy_and_stays_exact() -> None:
+    model = gpu_models.mlp(gpu_models.MlpConfig(hidden=1500, layers=3))
+    x = torch.randn(3, 8)
+    ref = _outputs(model, x)
+    copy = HostCopy(model)
+    assert copy.nbytes > OVERLAP_BYTES  # takes the threaded path
+    assert torch.equal(_outputs(copy.restore("cpu").model, x), ref)
+
+
+def test_evicted_model_is_recycled_without_write_back() -> None:
+    model = gpu_models.tied_lm()
+    ref = _outputs(model, TOKENS)
+    copy = HostCopy(model)
+    host_before = copy.host.clone()
+    first = copy.restore("cpu")
+    with torch.no_grad():
+        first.model.mix.weight.zero_()
+    copy.evict(first)
+    assert all(t.device.type == "meta" for t in first.model.state_dict().values())
+    again = copy.restore("cpu")
+    assert again.model is first.model  # the shell is reused, its state is fresh
+    assert again.model.head.weight is again.model.emb.weight
+    assert torch.equal(copy.host, host_before)
+    assert torch.equal(_outputs(again.model, TOKENS), ref)
