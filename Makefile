@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo up sandbox-image test test-fast lint typecheck bench bench-throughput bench-scheduler bench-docker docker-engine clean
+.PHONY: setup demo up sandbox-image test test-fast lint typecheck bench bench-throughput bench-scheduler bench-docker bench-gpu bench-quota docker-engine clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -48,7 +48,7 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-bench: bench-throughput bench-scheduler bench-docker  ## every benchmark; JSON in bench/results
+bench: bench-throughput bench-scheduler bench-docker bench-gpu bench-quota  ## every benchmark; JSON in bench/results
 
 bench-throughput: setup
 	$(BIN)/python -m bench.throughput
@@ -56,6 +56,12 @@ bench-throughput: setup
 bench-scheduler: setup
 	$(BIN)/python -m bench.decision_latency
 	$(BIN)/python -m bench.figures
+
+bench-gpu: setup  ## restore bandwidth against the copy limit, per-call overhead, batching
+	$(BIN)/python -m bench.gpu
+
+bench-quota: setup  ## the DeepSearch quota comparison (simulated provider)
+	$(BIN)/python -m bench.deepsearch
 
 bench-docker: setup docker-engine
 	$(BIN)/python -m bench.docker_exec

@@ -4,6 +4,7 @@ behind them (``eventually``, ``running_mesh``) live in :mod:`tests.support`."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from collections.abc import AsyncIterator
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tangram.client import Client
+from tangram.embedded import EmbeddedNats
 from tangram.launcher import Mesh
 
 from .support import FAST_SERVICES, eventually, mesh_options, running_mesh
@@ -35,6 +37,16 @@ async def mesh(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]:
 async def client(mesh: Mesh) -> AsyncIterator[Client]:
     async with Client.connect(mesh.nats_url) as c:
         yield c
+
+
+@pytest.fixture
+async def nats_url(tmp_path: Path) -> AsyncIterator[str]:
+    """A nats-server of this test's own (no mesh): for tests of one service or the client."""
+    server = await asyncio.to_thread(EmbeddedNats(tmp_path / "nats").start)
+    try:
+        yield server.url
+    finally:
+        await asyncio.to_thread(server.stop)
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, TypeVar, overload
@@ -474,3 +475,10 @@ def _log_event(text: str) -> Callable[[], Awaitable[None]]:
         log.info(text)
 
     return cb
+
+
+async def open_bus(stack: contextlib.AsyncExitStack, url: str, name: str) -> Bus:
+    """A connected bus that ``stack`` drains and closes when it unwinds."""
+    bus = await Bus.connect(url, name)
+    stack.push_async_callback(bus.close)
+    return bus

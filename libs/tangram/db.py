@@ -9,6 +9,7 @@ transaction without adding latency when the system is idle.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,16 @@ async def connect(dsn: str, *, min_size: int = 1, max_size: int = 8) -> asyncpg.
     except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
         raise Unavailable(f"cannot connect to Postgres: {exc}") from exc
     assert pool is not None
+    return pool
+
+
+async def open_pool(
+    stack: contextlib.AsyncExitStack, dsn: str, *, max_size: int = 4
+) -> asyncpg.Pool:
+    """A migrated pool that ``stack`` closes when it unwinds."""
+    pool = await connect(dsn, max_size=max_size)
+    stack.push_async_callback(pool.close)
+    await migrate(pool)
     return pool
 
 

@@ -22,7 +22,7 @@ from services.cpu_manager.config import CpuManagerConfig
 from services.cpu_manager.dop import substitute_dop
 from services.cpu_manager.outcome import to_outcome
 from tangram.agent import Agent, AgentConfig
-from tangram.bus import BaseBus, Bus
+from tangram.bus import BaseBus, open_bus
 from tangram.config import MeshConfig
 from tangram.contract import Dispatch, Inventory, Outcome
 
@@ -106,6 +106,5 @@ async def build(
     incarnation = uuid.uuid4().hex
     backend, line = await make_backend(cfg, incarnation)
     log.warning("node %s: %s", cfg.node_id, line)
-    bus = await Bus.connect(mesh.nats_url, f"cpu_manager.{cfg.node_id}")
-    stack.push_async_callback(bus.close)
+    bus = await open_bus(stack, mesh.nats_url, f"cpu_manager.{cfg.node_id}")
     return mesh, node_agent(bus, cfg, backend, incarnation)

@@ -19,7 +19,7 @@ from services.gateway import config, store
 from services.gateway.config import GatewayConfig
 from services.gateway.formulation import Limits, formulate
 from tangram import db, subjects, telemetry
-from tangram.bus import BaseBus, Bus
+from tangram.bus import BaseBus, open_bus
 from tangram.config import MeshConfig
 from tangram.contract import (
     Accepted,
@@ -118,9 +118,6 @@ async def build(
     """The gateway as configured by the environment and ``overrides`` (see runtime.Build),
     given its pool and bus; ``stack`` closes the bus first, then the pool."""
     mesh, cfg = config.load(overrides)
-    pool = await db.connect(mesh.postgres_dsn, max_size=4)
-    stack.push_async_callback(pool.close)
-    await db.migrate(pool)
-    bus = await Bus.connect(mesh.nats_url, "gateway")
-    stack.push_async_callback(bus.close)
+    pool = await db.open_pool(stack, mesh.postgres_dsn)
+    bus = await open_bus(stack, mesh.nats_url, "gateway")
     return mesh, Gateway(cfg, bus, pool)

@@ -36,7 +36,7 @@ from services.scheduler.core.effects import (
 from services.scheduler.core.scheduler import SchedulerCore
 from services.scheduler.policies.spec import make_policy
 from tangram import db, subjects
-from tangram.bus import BaseBus, Bus
+from tangram.bus import BaseBus, open_bus
 from tangram.config import MeshConfig
 from tangram.contract import (
     Ack,
@@ -310,9 +310,6 @@ async def build(
     """The scheduler as configured by the environment and ``overrides`` (see runtime.Build),
     given its pool and bus; ``stack`` closes the bus first, then the pool."""
     mesh, cfg = config.load(overrides)
-    pool = await db.connect(mesh.postgres_dsn, max_size=4)
-    stack.push_async_callback(pool.close)
-    await db.migrate(pool)
-    bus = await Bus.connect(mesh.nats_url, "scheduler")
-    stack.push_async_callback(bus.close)
+    pool = await db.open_pool(stack, mesh.postgres_dsn)
+    bus = await open_bus(stack, mesh.nats_url, "scheduler")
     return mesh, Scheduler(cfg, bus, pool)

@@ -10,9 +10,8 @@ import pytest
 
 from tangram import ActionSpec, ExecAction
 from tangram.client import Client
-from tangram.launcher import Mesh
 
-from ..conftest import mesh_options
+from ..support import running_mesh
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +37,7 @@ async def test_submits_ride_out_a_broker_restart(tmp_path: Path, uid: str) -> No
         if acked >= 50:
             some_acked.set()
 
-    async with Mesh(mesh_options(tmp_path / "mesh")) as mesh:
+    async with running_mesh(tmp_path / "mesh") as mesh:
         assert mesh.nats is not None
         async with Client.connect(mesh.nats_url) as client:
             submits = asyncio.gather(*(submit(client, s) for s in specs), return_exceptions=True)

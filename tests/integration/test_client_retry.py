@@ -4,10 +4,7 @@ that gives up says how long it tried."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 from nats.aio.msg import Msg
@@ -16,17 +13,7 @@ from tangram import subjects
 from tangram.bus import Bus
 from tangram.client import ATTEMPT_FIRST_S, Client
 from tangram.contract import Accepted, ActionSpec, ExecAction, encode
-from tangram.embedded import EmbeddedNats
 from tangram.errors import Unavailable
-
-
-@pytest.fixture
-async def nats_url(tmp_path: Path) -> AsyncIterator[str]:
-    server = await asyncio.to_thread(EmbeddedNats(tmp_path / "nats").start)
-    try:
-        yield server.url
-    finally:
-        await asyncio.to_thread(server.stop)
 
 
 class LossyGateway:

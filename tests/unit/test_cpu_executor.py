@@ -14,6 +14,8 @@ import pytest
 
 from services.cpu_manager.docker import executor, executor_client
 
+from ..support import eventually
+
 PAYLOAD = {"op": "run", "cwd": "/", "timeout_s": 10.0, "cap": 1 << 16}
 
 
@@ -51,15 +53,32 @@ async def test_env_and_cwd(sock: Path, tmp_path: Path) -> None:
     assert reply.stdout.decode().split() == ["bar", "/work", str(tmp_path)]
 
 
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone: it can touch nothing)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def pid_of(pidfile: Path) -> int:
+    text = await eventually(
+        lambda: pidfile.exists() and pidfile.read_text().strip(), what=f"a pid in {pidfile}"
+    )
+    return int(text)
+
+
 async def test_timeout_kills_the_group(sock: Path, tmp_path: Path) -> None:
-    marker = tmp_path / "survived"
-    script = f"(sleep 1; touch {marker}) & sleep 30"
+    marker, pidfile = tmp_path / "survived", tmp_path / "child.pid"
+    script = f"sh -c 'echo $$ > {pidfile}; sleep 1; touch {marker}' & sleep 30"
     t0 = time.monotonic()
     reply = await run(sock, ["sh", "-c", script], timeout_s=0.3)
     assert reply.header["timed_out"]
     assert reply.header["signal"] == 9
     assert time.monotonic() - t0 < 3
-    await asyncio.sleep(1.2)  # the background child would have touched the marker by now
+    child = await pid_of(pidfile)
+    await eventually(lambda: not alive(child), what="the background child to be killed")
     assert not marker.exists()
 
 
@@ -77,10 +96,12 @@ async def test_output_cap(sock: Path) -> None:
     assert not reply.header["stderr_truncated"]
 
 
-async def test_kill_byte(sock: Path) -> None:
+async def test_kill_byte(sock: Path, tmp_path: Path) -> None:
+    started = tmp_path / "started"
     call = executor_client.Call(sock)
-    task = asyncio.ensure_future(call.run(PAYLOAD | {"argv": ["sleep", "30"]}, 1024))
-    await asyncio.sleep(0.2)
+    argv = ["sh", "-c", f"touch {started}; exec sleep 30"]
+    task = asyncio.ensure_future(call.run(PAYLOAD | {"argv": argv}, 1024))
+    await eventually(started.exists, what="the command to start")
     call.kill()
     reply = await asyncio.wait_for(task, 5)
     assert reply.header["killed"]
@@ -88,13 +109,14 @@ async def test_kill_byte(sock: Path) -> None:
 
 
 async def test_dropped_connection_kills_the_command(sock: Path, tmp_path: Path) -> None:
-    marker = tmp_path / "ran-on"
-    task = asyncio.ensure_future(run(sock, ["sh", "-c", f"sleep 1; touch {marker}"]))
-    await asyncio.sleep(0.2)
+    marker, pidfile = tmp_path / "ran-on", tmp_path / "cmd.pid"
+    script = f"echo $$ > {pidfile}; sleep 1; touch {marker}"
+    task = asyncio.ensure_future(run(sock, ["sh", "-c", script]))
+    command = await pid_of(pidfile)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.sleep(1.2)
+    await eventually(lambda: not alive(command), what="the command to be killed")
     assert not marker.exists()
 
 

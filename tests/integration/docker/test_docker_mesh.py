@@ -13,7 +13,8 @@ from engine import Engine
 
 from tangram.client import Client
 from tangram.launcher import Mesh
-from tests.conftest import mesh_options
+from tests.integration.test_output_caps import OVERSIZED, check_oversized
+from tests.support import running_mesh
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -28,12 +29,10 @@ async def docker_mesh(docker_engine: Engine) -> AsyncIterator[Mesh]:
         "TANGRAM_CPU_MOUNTS": ",".join(docker_engine.mounts),
         "TANGRAM_CPU_WARM_POOL": "1",
     }
-    m = Mesh(mesh_options(short, backend="auto", env=env))
     try:
-        await m.start()
-        yield m
+        async with running_mesh(short, backend="auto", env=env) as m:
+            yield m
     finally:
-        await m.stop()
         shutil.rmtree(short, ignore_errors=True)
 
 
@@ -63,3 +62,11 @@ async def test_auto_picks_docker_and_actions_run_pinned_in_their_container(
         probe = f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 2)\""
         net = await client.exec(probe, trajectory_id=uid, job_id=uid, wait_s=60)
         assert net.exit_code != 0  # no network by default: the host's NATS is unreachable
+
+
+@pytest.mark.parametrize(("command", "char", "stderr_cut"), OVERSIZED)
+async def test_oversized_output_returns_cut_and_flagged_from_a_container(
+    docker_mesh: Mesh, uid: str, command: str, char: str, stderr_cut: bool
+):
+    async with Client.connect(docker_mesh.nats_url) as client:
+        await check_oversized(client, uid, command, char, stderr_cut)

@@ -17,18 +17,8 @@ from services.cpu_manager.service import node_agent
 from tangram import subjects
 from tangram.bus import Bus
 from tangram.contract import Ack, EnvExpired, NodeMessage
-from tangram.embedded import EmbeddedNats
 
 pytestmark = pytest.mark.docker
-
-
-@pytest.fixture
-async def nats_url(tmp_path: Path) -> AsyncIterator[str]:
-    server = await asyncio.to_thread(EmbeddedNats(tmp_path / "nats").start)
-    try:
-        yield server.url
-    finally:
-        await asyncio.to_thread(server.stop)
 
 
 @pytest.fixture
