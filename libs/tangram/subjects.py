@@ -20,8 +20,11 @@ from tangram.contract import (
     NodeCommand,
     NodeMessage,
     Pending,
+    Quotas,
+    Resources,
     SchedulerRequest,
     SchedulerStatus,
+    Services,
 )
 
 Req = TypeVar("Req")
@@ -34,8 +37,8 @@ GATEWAY_QUEUE: Final = "gateway"
 SCHEDULER_QUEUE: Final = "scheduler"
 
 # What the gateway answers (besides ErrorReply); what the scheduler answers on its action subject.
-GatewayAnswer = Accepted | ActionResult | Pending | Done
-SchedulerAnswer = Ack | SchedulerStatus
+GatewayAnswer = Accepted | ActionResult | Pending | Done | Services | Quotas
+SchedulerAnswer = Ack | SchedulerStatus | Services | Resources
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,15 @@ from services.cpu_manager.outcome import to_outcome
 from tangram.agent import Agent, AgentConfig
 from tangram.bus import BaseBus, open_bus
 from tangram.config import MeshConfig
-from tangram.contract import Dispatch, Inventory, Outcome
+from tangram.contract import Dispatch, ErrorKind, ExecAction, Inventory, Outcome, kind_of
 
 log = logging.getLogger(__name__)
 
 
-def exec_request(d: Dispatch) -> ExecRequest:
+def exec_request(d: Dispatch, action: ExecAction) -> ExecRequest:
     """What the backend runs for a dispatch: argv with ``{dop}`` = the granted core count."""
     spec = d.action.spec
-    cmd = spec.action.command
+    cmd = action.command
     argv = ("sh", "-c", cmd) if isinstance(cmd, str) else tuple(cmd)
     return ExecRequest(
         action_id=spec.action_id,
@@ -40,8 +40,8 @@ def exec_request(d: Dispatch) -> ExecRequest:
         argv=substitute_dop(argv, len(d.cores)),
         cores=d.cores,
         timeout_s=spec.timeout_s,
-        output_cap_bytes=spec.action.output_cap_bytes,
-        env=dict(spec.action.env),
+        output_cap_bytes=action.output_cap_bytes,
+        env=dict(action.env),
         memory_mb=spec.memory_mb,
         image=spec.image,
         network=spec.network,
@@ -71,7 +71,11 @@ class CpuExecutor:
         await self.backend.close()
 
     async def run(self, dispatch: Dispatch) -> Outcome:
-        return to_outcome(await self.backend.run(exec_request(dispatch)))
+        action = dispatch.action.spec.action
+        if not isinstance(action, ExecAction):
+            why = f"a CPU node runs exec actions, not {kind_of(action)}"
+            return Outcome(failure=ErrorKind.INVALID_REQUEST, detail=why)
+        return to_outcome(await self.backend.run(exec_request(dispatch, action)))
 
     async def kill(self, action_id: str) -> None:
         await self.backend.kill(action_id)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tangram.contract import ActionSpec, Demand, ExecAction, UnifiedAction
+from tangram.contract import ActionSpec, Demand, ExecAction, UnifiedAction, kind_of
 from tangram.errors import InvalidRequest
 
 CPU = "cpu"
@@ -56,6 +56,10 @@ def formulate(
     traceparent: str = "",
 ) -> UnifiedAction:
     """Validate ``spec`` and build its unified action (cost vector, key resource)."""
+    if not isinstance(spec.action, ExecAction):
+        raise InvalidRequest(f"{kind_of(spec.action)} actions are not served by this mesh yet")
+    if not spec.trajectory_id:
+        raise InvalidRequest("an exec action needs a trajectory_id (its environment)")
     check_exec(spec.action)
     if spec.memory_mb > limits.max_memory_mb:
         raise InvalidRequest(

@@ -36,7 +36,7 @@ from tangram.contract import (
     Submit,
     UnifiedAction,
 )
-from tangram.errors import NotFound
+from tangram.errors import InvalidRequest, NotFound
 from tangram.runtime import Service
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,8 @@ class Gateway(Service):
                 return await self.forward(CloseEnvCmd(trajectory_id=tid))
             case Cancel(action_id=action_id):
                 return await self.forward(CancelCmd(action_id=action_id))
+            case _:
+                raise InvalidRequest(f"{type(req).__name__} is not served by this mesh yet")
 
     async def submit(self, req: Submit) -> Accepted | ActionResult:
         action = formulate(

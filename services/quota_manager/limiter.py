@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from services.quota_manager.adaptive import Aimd, AimdConfig, Hints
-from services.quota_manager.spec import QuotaSpec
+from tangram.contract import QuotaSpec
 from tangram.errors import InvalidRequest
 
 TOKEN_SPAN_S = 60.0

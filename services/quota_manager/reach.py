@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Final, NamedTuple
 from urllib.parse import urljoin, urlsplit
 
-from services.quota_manager.hosts import normalise_host, parse_entry, parse_port
+from tangram.contract.hosts import normalise_host, parse_entry, parse_port
 from tangram.errors import InvalidRequest
 
 MAX_URL_BYTES: Final = 8 * 1024

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from services.quota_manager.fair import FairQueue
 from services.quota_manager.limiter import Grant, Limiter
-from services.quota_manager.spec import QuotaSpec
+from tangram.contract import QuotaSpec
 
 
 class Provider:

@@ -10,7 +10,7 @@ import pytest
 from services.quota_manager.adaptive import Aimd, AimdConfig, Hints, parse_delay, parse_hints
 from services.quota_manager.limiter import Limiter, WaitUntil
 from services.quota_manager.sim import Provider, closed_loop
-from services.quota_manager.spec import QuotaSpec
+from tangram.contract import QuotaSpec
 
 WALL = 1_700_000_000.0
 

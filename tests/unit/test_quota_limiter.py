@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.quota_manager.limiter import Grant, Limiter, WaitUntil
-from services.quota_manager.spec import QuotaSpec
+from tangram.contract import QuotaSpec
 from tangram.errors import InvalidRequest
 
 

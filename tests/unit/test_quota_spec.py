@@ -5,7 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from services.quota_manager.spec import QuotaSpec, checked, decode_spec
+from tangram.contract.resources import QuotaSpec
+from tangram.contract.resources import checked_quota as checked
+from tangram.contract.resources import decode_quota as decode_spec
 from tangram.errors import InvalidRequest
 
 

@@ -41,6 +41,7 @@ from tangram.contract import (
     NodeLeaving,
     NodeReport,
     Outcome,
+    Prepare,
     Progress,
     Reconcile,
     RunningAction,
@@ -227,6 +228,8 @@ class AgentCore:
                 return self._drop(tid)
             case Reconcile():
                 return self.heartbeat(envs, now) + self._deliver_all(now)
+            case Prepare():
+                raise InvalidRequest("this agent prepares no model services")
 
     def _dispatch(self, d: Dispatch, now: float) -> list[Effect]:
         inc = d.incarnation

@@ -6,8 +6,12 @@ scheduler alone turns them into the user's ``ActionResult``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from tangram.contract.base import NodeId, Timestamp, _Msg
+from tangram.contract.client import HttpResponse
 from tangram.contract.errors import ErrorKind
+from tangram.contract.resources import QuotaSpec, ServiceSpec
 from tangram.contract.scheduler import UnifiedAction
 
 
@@ -16,11 +20,36 @@ class NumaCores(_Msg):
     cores: tuple[int, ...]
 
 
-class Inventory(_Msg):
-    numa: tuple[NumaCores, ...]
+class GpuDevice(_Msg):
+    """One GPU of a GPU node (on a machine without GPUs: a CPU "device" with a budget)."""
+
+    index: int
     memory_mb: int
-    backend: str
-    isolates: bool
+    name: str = ""
+
+
+class Inventory(_Msg):
+    """What an agent offers. ``kind`` says which actions it runs: ``cpu`` (exec: ``numa``
+    cores), ``gpu`` (infer: ``gpus``, buddy chunks of them), ``quota`` (http calls)."""
+
+    numa: tuple[NumaCores, ...] = ()
+    memory_mb: int = 0
+    backend: str = ""
+    isolates: bool = False
+    kind: str = "cpu"
+    gpus: tuple[GpuDevice, ...] = ()
+    restore_gb_per_s: float = 0.0  # host -> device copy bandwidth the agent measured
+
+
+class PreparedService(_Msg):
+    """A service on a GPU node: ready (built, host copy kept, ``footprint_mb`` measured) or
+    ``error`` (the factory failed to import or build); ``resident`` GPU indices hold it now."""
+
+    name: str
+    dop: int = 1
+    footprint_mb: int = 0
+    resident: tuple[int, ...] = ()
+    error: str = ""
 
 
 class RunningAction(_Msg):
@@ -47,6 +76,10 @@ class Outcome(_Msg):
     stderr_truncated: bool = False
     started_at: float | None = None
     finished_at: float | None = None
+    output: Any = None  # infer: the handler's output for this payload
+    http: HttpResponse | None = None  # http: the upstream's last answer
+    restore_s: float = 0.0  # infer: time spent restoring the service onto its GPUs
+    tokens_used: int | None = None  # http: tokens the call really spent (from the response)
 
 
 class Completion(_Msg, tag="completion"):
@@ -79,6 +112,7 @@ class NodeReport(_Msg, tag="node_report"):
     seq: int = 0
     full: bool = False
     progress: Progress | None = None
+    services: tuple[PreparedService, ...] = ()  # GPU nodes
 
 
 class EnvExpired(_Msg, tag="env_expired"):
@@ -114,10 +148,18 @@ class Ack(_Msg, tag="ack"):
 
 
 class Dispatch(_Msg, tag="dispatch"):
+    """Run an admitted action with exactly its grant: ``cores`` on a CPU node, ``gpus`` (one
+    buddy chunk, as a ``dop`` variant of ``service``) on a GPU node; an http action carries its
+    ``quota`` (hosts, key name) and the ``tokens`` reserved for it."""
+
     action: UnifiedAction
-    cores: tuple[int, ...]
-    epoch: int
+    cores: tuple[int, ...] = ()
+    epoch: int = 0
     incarnation: str = ""  # the node agent incarnation it is meant for
+    gpus: tuple[int, ...] = ()
+    service: ServiceSpec | None = None
+    quota: QuotaSpec | None = None
+    tokens: int = 0
 
 
 class Kill(_Msg, tag="kill"):
@@ -131,10 +173,17 @@ class DropEnv(_Msg, tag="drop_env"):
     epoch: int
 
 
+class Prepare(_Msg, tag="prepare"):
+    """Prepare these services (build, keep a host copy, measure); report them in NodeReport."""
+
+    services: tuple[ServiceSpec, ...]
+    epoch: int
+
+
 class Reconcile(_Msg, tag="reconcile"):
     """A scheduler (re)started with ``epoch``: report everything; ignore older epochs."""
 
     epoch: int
 
 
-NodeCommand = Dispatch | Kill | DropEnv | Reconcile
+NodeCommand = Dispatch | Kill | DropEnv | Prepare | Reconcile

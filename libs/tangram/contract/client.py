@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 from msgspec import Meta
 
@@ -19,7 +19,9 @@ from tangram.contract.base import (
     _Msg,
 )
 from tangram.contract.errors import ActionError, ErrorReply
+from tangram.contract.resources import QuotaName, QuotaSpec, ServiceName, ServiceSpec
 
+TrajectoryId = Annotated[str, Meta(max_length=128, pattern=r"^([A-Za-z0-9][A-Za-z0-9._:@/-]*)?$")]
 ActionStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL: Final = frozenset({"succeeded", "failed", "cancelled"})
 
@@ -39,8 +41,47 @@ class ExecAction(_Msg, tag_field="kind", tag="exec"):
     output_cap_bytes: Annotated[int, Meta(ge=0, le=MAX_OUTPUT_CAP)] = 64 * 1024
 
 
-# The one union of action kinds; new kinds (gpu, http) join it with their own tag.
-ActionKind = ExecAction
+class InferAction(_Msg, tag_field="kind", tag="infer"):
+    """One call to a registered model service: ``payload`` goes to its handler and the
+    handler's output comes back as ``ActionResult.output`` (any msgpack value)."""
+
+    service: ServiceName
+    payload: Any = None
+
+
+HttpMethod = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+MAX_HTTP_BODY: Final = 256 * 1024
+
+
+class HttpAction(_Msg, tag_field="kind", tag="http"):
+    """An HTTP call the quota_manager makes under ``quota`` (only to the quota's hosts);
+    ``tokens`` are reserved up front from the quota's token window and trued up after."""
+
+    method: HttpMethod
+    url: Annotated[str, Meta(min_length=1, max_length=8192)]
+    quota: QuotaName
+    headers: Annotated[
+        dict[Annotated[str, Meta(max_length=256)], Annotated[str, Meta(max_length=8192)]],
+        Meta(max_length=64),
+    ] = {}
+    body: Annotated[bytes, Meta(max_length=MAX_HTTP_BODY)] = b""
+    tokens: Annotated[int, Meta(ge=0, le=10**9)] = 0
+    max_retries: Annotated[int, Meta(ge=0, le=10)] = 2
+    response_cap_bytes: Annotated[int, Meta(ge=0, le=MAX_OUTPUT_CAP)] = 64 * 1024
+
+
+class LeaseAction(_Msg, tag_field="kind", tag="lease"):
+    """A permit under ``quota`` for a call the client makes itself; it succeeds when granted
+    (``ActionResult.lease``) and holds its units until released or ``ttl_s`` runs out."""
+
+    quota: QuotaName
+    units: Annotated[int, Meta(ge=1, le=1_000_000)] = 1
+    tokens: Annotated[int, Meta(ge=0, le=10**9)] = 0
+    ttl_s: Annotated[float, Meta(gt=0, le=24 * 3600)] = 60.0
+
+
+# The one union of action kinds, tagged by ``kind``.
+ActionKind = ExecAction | InferAction | HttpAction | LeaseAction
 
 
 def kind_of(action: ActionKind) -> str:
@@ -60,7 +101,7 @@ class ActionSpec(_Msg):
 
     action_id: Id
     job_id: Id
-    trajectory_id: Id
+    trajectory_id: TrajectoryId  # "" only for actions that need no environment (infer, http)
     action: ActionKind
     # An inclusive [min, max] range is a list: msgspec 0.22 crashes (GC segfault) decoding a
     # union of a constrained int with a tuple, so the range is a length-2 list on the wire.
@@ -76,8 +117,33 @@ class ActionSpec(_Msg):
 
 
 class Allocation(_Msg):
+    """Where an action ran: its node and the units it was granted there (cores on a CPU node,
+    GPU indices on a GPU node; the quota it spent for HTTP calls and leases)."""
+
     node_id: str
-    cores: tuple[int, ...]
+    cores: tuple[int, ...] = ()
+    gpus: tuple[int, ...] = ()
+    quota: str = ""
+
+
+class HttpResponse(_Msg):
+    """What the upstream answered (the last try), the body capped."""
+
+    status: int
+    headers: dict[str, str] = {}
+    body: bytes = b""
+    body_truncated: bool = False
+    tries: int = 1
+
+
+class LeaseGrant(_Msg):
+    """A granted lease: hold it until :class:`ReleaseLease` or ``expires_at`` (wall clock)."""
+
+    lease_id: str
+    quota: str
+    units: int
+    expires_at: float
+    tokens: int = 0
 
 
 class Timings(_Msg):
@@ -87,6 +153,7 @@ class Timings(_Msg):
     queue_s: float = 0.0
     exec_s: float = 0.0
     overhead_s: float = 0.0
+    restore_s: float = 0.0  # of exec_s: bringing a model service onto its GPUs
 
 
 class ActionResult(_Msg, tag="result"):
@@ -105,6 +172,9 @@ class ActionResult(_Msg, tag="result"):
     attempt: int = 0
     job_id: str = ""
     trajectory_id: str = ""
+    output: Any = None  # an infer action's handler output
+    http: HttpResponse | None = None  # an http action's response
+    lease: LeaseGrant | None = None  # a lease action's grant
 
     @property
     def ok(self) -> bool:
@@ -136,7 +206,46 @@ class Cancel(_Msg, tag="cancel"):
     action_id: Id
 
 
-GatewayRequest = Submit | GetResult | CloseEnv | Cancel
+class RegisterService(_Msg, tag="register_service"):
+    """Register (or update) a model service; answered once the GPU agents prepared it."""
+
+    spec: ServiceSpec
+
+
+class ListServices(_Msg, tag="list_services"):
+    pass
+
+
+class SetQuota(_Msg, tag="set_quota"):
+    """Declare (or change) a quota for the whole mesh; durable once answered."""
+
+    spec: QuotaSpec
+
+
+class ListQuotas(_Msg, tag="list_quotas"):
+    pass
+
+
+class ReleaseLease(_Msg, tag="release_lease"):
+    """End a lease, with what the client saw of its call (feeds the quota's limiter)."""
+
+    lease_id: Id
+    tokens_used: Annotated[int, Meta(ge=0, le=10**9)] | None = None
+    status: Annotated[int, Meta(ge=100, le=599)] | None = None
+    retry_after_s: Annotated[float, Meta(ge=0, le=24 * 3600)] | None = None
+
+
+GatewayRequest = (
+    Submit
+    | GetResult
+    | CloseEnv
+    | Cancel
+    | RegisterService
+    | ListServices
+    | SetQuota
+    | ListQuotas
+    | ReleaseLease
+)
 
 
 class Accepted(_Msg, tag="accepted"):
@@ -156,4 +265,34 @@ class Done(_Msg, tag="done"):
     detail: str = ""
 
 
-GatewayReply = Accepted | ActionResult | Pending | Done | ErrorReply
+class ServiceState(_Msg):
+    """A registered service as the mesh sees it: where it is prepared, resident, or failed."""
+
+    spec: ServiceSpec
+    footprint_mb: int = 0  # device memory of one copy, measured by the agents
+    prepared_on: tuple[str, ...] = ()  # nodes
+    resident_on: tuple[str, ...] = ()  # "node:gpu" entries
+    error: str = ""  # why preparing it failed, if it did
+
+
+class Services(_Msg, tag="services"):
+    services: tuple[ServiceState, ...] = ()
+
+
+class QuotaState(_Msg):
+    """A quota with what its limiter learned: the rate it now allows, its use and queue."""
+
+    spec: QuotaSpec
+    learned_per_s: float | None = None
+    in_use: int = 0
+    queued: int = 0
+    paused_until: float | None = None
+    calls: int = 0
+    throttled: int = 0  # 429s seen
+
+
+class Quotas(_Msg, tag="quotas"):
+    quotas: tuple[QuotaState, ...] = ()
+
+
+GatewayReply = Accepted | ActionResult | Pending | Done | Services | Quotas | ErrorReply

@@ -25,6 +25,10 @@ class ErrorKind(enum.StrEnum):
     IMAGE_MISSING = "image_missing"
     CANCELLED = "cancelled"
     INTERNAL = "internal"
+    DEVICE_OOM = "device_oom"  # a GPU ran out of memory (the service is re-measured)
+    DEVICE_LOST = "device_lost"  # a GPU stopped answering (no more grants on it)
+    RATE_LIMITED = "rate_limited"  # the upstream kept answering 429 past the retries
+    UPSTREAM_FAILED = "upstream_failed"  # the upstream was unreachable or kept failing (5xx)
 
     @property
     def infrastructure(self) -> bool:

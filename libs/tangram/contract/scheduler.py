@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from tangram.contract.base import Timestamp, _Msg
-from tangram.contract.client import ActionSpec
+from tangram.contract.client import ActionSpec, QuotaState, ServiceState
+from tangram.contract.resources import QuotaSpec, ServiceSpec
 
 
 class Demand(_Msg):
@@ -53,7 +54,47 @@ class StatusQuery(_Msg, tag="status"):
     pass
 
 
-SchedulerRequest = Enqueue | CloseEnvCmd | CancelCmd | StatusQuery
+class ServiceCmd(_Msg, tag="service"):
+    """Register or update a service: the scheduler has the GPU agents prepare it and answers
+    ``Services`` with its state (or an error naming why no agent could prepare it)."""
+
+    spec: ServiceSpec
+
+
+class QuotaCmd(_Msg, tag="quota"):
+    """A quota declared or changed (already durable); the scheduler's limiter takes it."""
+
+    spec: QuotaSpec
+
+
+class LeaseEnd(_Msg, tag="lease_end"):
+    """A client released a lease, with what it saw of its call."""
+
+    lease_id: str
+    tokens_used: int | None = None
+    status: int | None = None
+    retry_after_s: float | None = None
+
+
+class ResourcesQuery(_Msg, tag="resources"):
+    """Services and quotas as the scheduler sees them now (answered with ``Resources``)."""
+
+
+class Resources(_Msg, tag="resources_state"):
+    services: tuple[ServiceState, ...] = ()
+    quotas: tuple[QuotaState, ...] = ()
+
+
+SchedulerRequest = (
+    Enqueue
+    | CloseEnvCmd
+    | CancelCmd
+    | StatusQuery
+    | ServiceCmd
+    | QuotaCmd
+    | LeaseEnd
+    | ResourcesQuery
+)
 
 
 class SchedulerStatus(_Msg, tag="scheduler_status"):
