@@ -1,6 +1,6 @@
 """The DeepSearch comparison (issue 12 item 5) -> bench/results/deepsearch.{json,png}.
 
-Runs ``services/quota_manager/sim.py``: seeded multi-turn trajectories from three jobs, each
+Runs ``services/scheduler/sim/deepsearch.py``: seeded multi-turn trajectories from three jobs, each
 turn thinking then calling one of three rate-limited APIs (a modelled provider that accepts at
 most its true limit per sliding second and answers 429 otherwise), under three policies —
 ``tangram`` (one cluster-wide limiter per API declared at the true limit, fair queue across
@@ -26,7 +26,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from services.quota_manager.sim import POLICIES, Report, Workload, compare, floor_s
+from services.scheduler.sim.deepsearch import POLICIES, Report, Workload, compare, floor_s
 
 OUT = Path(__file__).parent / "results"
 BATCHES = (60, 120, 240, 480)
@@ -110,7 +110,7 @@ def sweep(base: Workload, batches: tuple[int, ...] = BATCHES) -> dict[str, Any]:
     return {
         "note": (
             "discrete-event simulation against a modelled provider (sliding-window limit,"
-            " exact Retry-After), not the live mesh; services/quota_manager/sim.py"
+            " exact Retry-After), not the live mesh; services/scheduler/sim/deepsearch.py"
         ),
         "seed": base.seed,
         "workload": workload_params(base),

@@ -1,106 +1,61 @@
-"""Small torch models built in code (random init from a config) and service factories for the
-gpu_manager tests and bench. No weights are downloaded."""
+"""Model factories for the gpu_manager tests and bench: the shared examples (importable by
+the demo and users' docs, in ``services.gpu_manager.examples``) plus factories that break the
+user contract on purpose. No weights are downloaded."""
 
 from __future__ import annotations
 
-import itertools
 import sys
-from dataclasses import dataclass
+import threading
 from typing import Any
 
-import torch
 from torch import nn
 
+from services.gpu_manager.examples import (
+    LmConfig,
+    MlpConfig,
+    TiedLM,
+    lm_handle,
+    mlp,
+    mlp_handle,
+    mlp_service,
+    teacher_handle,
+    teacher_small,
+    tied_lm,
+    tied_lm_service,
+    tiny_service,
+    transformer,
+)
 
-@dataclass(frozen=True)
-class MlpConfig:
-    d_in: int = 8
-    hidden: int = 32
-    layers: int = 2
-    d_out: int = 4
-    seed: int = 0
-
-
-def mlp(cfg: MlpConfig = MlpConfig()) -> nn.Module:
-    torch.manual_seed(cfg.seed)
-    dims = [cfg.d_in] + [cfg.hidden] * cfg.layers
-    blocks: list[nn.Module] = []
-    for a, b in itertools.pairwise(dims):
-        blocks += [nn.Linear(a, b), nn.LayerNorm(b), nn.GELU()]
-    return nn.Sequential(*blocks, nn.Linear(dims[-1], cfg.d_out)).eval()
-
-
-class TiedLM(nn.Module):
-    """Tied input/output embeddings, batch-norm buffers (incl. int64) and a float16 branch."""
-
-    def __init__(self, vocab: int = 50, dim: int = 16, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.emb = nn.Embedding(vocab, dim)
-        self.norm = nn.BatchNorm1d(dim)
-        self.mix = nn.Linear(dim, dim)
-        self.side = nn.Linear(dim, 1).to(torch.float16)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.emb.weight
-        self.register_buffer("scale", torch.tensor(0.5), persistent=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        e = self.emb(tokens)
-        h = torch.tanh(self.mix(self.norm(e.flatten(0, -2)).view_as(e)))
-        return self.head(h) * self.scale + self.side(h.half()).float()
-
-
-def tied_lm(seed: int = 0) -> nn.Module:
-    model = TiedLM(seed=seed)
-    with torch.no_grad():  # non-trivial running stats, so buffers matter
-        model.norm.running_mean.uniform_(-1, 1)
-        model.norm.running_var.uniform_(0.5, 2)
-    return model.eval()
-
-
-@dataclass(frozen=True)
-class LmConfig:
-    """A transformer-shaped model; the defaults give ~400 MB of float32 state."""
-
-    vocab: int = 32_000
-    dim: int = 1024
-    layers: int = 6
-    ffn: int = 4096
-    seed: int = 0
-
-
-def transformer(cfg: LmConfig = LmConfig()) -> nn.Module:
-    torch.manual_seed(cfg.seed)
-    layer = nn.TransformerEncoderLayer(cfg.dim, 8, cfg.ffn, batch_first=True)
-    encoder = nn.TransformerEncoder(layer, cfg.layers, enable_nested_tensor=False)
-    return nn.Sequential(nn.Embedding(cfg.vocab, cfg.dim), encoder).eval()
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-def mlp_handle(model: nn.Module, payloads: list[Any]) -> list[Any]:
-    x = torch.tensor(payloads, dtype=torch.float32, device=_device(model))
-    return model(x).tolist()  # type: ignore[no-any-return]
-
-
-def lm_handle(model: nn.Module, payloads: list[Any]) -> list[Any]:
-    x = torch.tensor(payloads, dtype=torch.long, device=_device(model))
-    return model(x).sum(dim=1).tolist()  # type: ignore[no-any-return]
-
-
-# Service factories (the user contract): no arguments, returning (model, handle).
-def mlp_service() -> tuple[nn.Module, Any]:
-    return mlp(), mlp_handle
-
-
-def tiny_service() -> tuple[nn.Module, Any]:
-    return mlp(MlpConfig(d_in=4, hidden=8, layers=1, d_out=1)), mlp_handle
-
-
-def tied_lm_service() -> tuple[nn.Module, Any]:
-    return tied_lm(), lm_handle
+__all__ = [
+    "BATCH_SIZES",
+    "GATE",
+    "NOT_CALLABLE",
+    "WIDE",
+    "LmConfig",
+    "MlpConfig",
+    "TiedLM",
+    "chatty_service",
+    "exiting_service",
+    "lm_handle",
+    "mlp",
+    "mlp_handle",
+    "mlp_service",
+    "not_a_module",
+    "picky_service",
+    "raising_service",
+    "single_value",
+    "slow_service",
+    "teacher_handle",
+    "teacher_small",
+    "tied_lm",
+    "tied_lm_service",
+    "tiny_service",
+    "transformer",
+    "uncallable_handle",
+    "unencodable_service",
+    "wide_a",
+    "wide_b",
+]
 
 
 def raising_service() -> tuple[nn.Module, Any]:
@@ -124,3 +79,49 @@ def uncallable_handle() -> tuple[nn.Module, Any]:
 
 
 NOT_CALLABLE = 7
+
+
+# --------------------------------------------------------------------------- agent tests
+
+WIDE = MlpConfig(hidden=400, layers=2)  # ~0.66 MB of state: two never fit a 1 MB device
+
+
+def wide_a() -> tuple[nn.Module, Any]:
+    return mlp(WIDE), mlp_handle
+
+
+def wide_b() -> tuple[nn.Module, Any]:
+    return mlp(MlpConfig(hidden=400, layers=2, seed=1)), mlp_handle
+
+
+BATCH_SIZES: list[int] = []  # what slow_service's handle saw, in order
+GATE = threading.Event()  # slow_service's handle waits for it (set: no wait)
+GATE.set()
+
+
+def _slow_handle(model: nn.Module, payloads: list[Any]) -> list[Any]:
+    BATCH_SIZES.append(len(payloads))
+    GATE.wait(10)
+    return mlp_handle(model, payloads)
+
+
+def slow_service() -> tuple[nn.Module, Any]:
+    return mlp(), _slow_handle
+
+
+def _picky_handle(model: nn.Module, payloads: list[Any]) -> list[Any]:
+    if any(p == "bad" for p in payloads):
+        raise ValueError("payload 'bad' is not a feature vector")
+    return mlp_handle(model, payloads)
+
+
+def picky_service() -> tuple[nn.Module, Any]:
+    return mlp(), _picky_handle
+
+
+def chatty_service() -> tuple[nn.Module, Any]:
+    return mlp(), lambda model, payloads: ["x" * 100_000 for _ in payloads]
+
+
+def unencodable_service() -> tuple[nn.Module, Any]:
+    return mlp(), lambda model, payloads: [object() for _ in payloads]

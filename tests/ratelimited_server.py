@@ -42,6 +42,8 @@ class Counters:
     throttled: Counter[str] = field(default_factory=Counter)
     in_flight: int = 0
     peak_in_flight: int = 0
+    arrived: int = 0  # every request to /call, answered or not
+    credentials: set[str] = field(default_factory=set)  # Authorization values seen (not in /stats)
 
     def as_json(self) -> dict[str, object]:
         jobs = sorted(set(self.ok) | set(self.throttled))
@@ -95,6 +97,9 @@ class RateLimitedServer:
 
     async def _call(self, request: web.Request) -> web.Response:
         job = request.headers.get("X-Job", "-")
+        self.counters.arrived += 1
+        if "Authorization" in request.headers:
+            self.counters.credentials.add(request.headers["Authorization"])
         now = self.clock()
         self._expire(now)
         refusal = self._refusal(now)

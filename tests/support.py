@@ -57,6 +57,7 @@ def mesh_options(root: Path, **kw: object) -> MeshOptions:
     env = dict(FAST_SERVICES)
     env.update(kw.pop("env", {}) or {})  # type: ignore[arg-type]
     kw.setdefault("backend", "process")
+    kw.setdefault("gpu_manager", False)  # torch in one more process: only where a test asks
     return MeshOptions(state_dir=root, fsync=False, env=env, **kw)  # type: ignore[arg-type]
 
 

@@ -13,6 +13,9 @@ from tangram.contract import (
     DurationHint,
     ErrorKind,
     ExecAction,
+    QuotaSpec,
+    ServiceSpec,
+    ServiceState,
     Timings,
 )
 from tangram.errors import (
@@ -45,9 +48,12 @@ __all__ = [
     "InternalError",
     "InvalidRequest",
     "NotFound",
+    "QuotaSpec",
     "RemoteError",
     "ResultTimeout",
     "ServiceDead",
+    "ServiceSpec",
+    "ServiceState",
     "SyncClient",
     "TangramError",
     "Timings",

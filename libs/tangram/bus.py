@@ -390,7 +390,8 @@ class Bus(BaseBus):
         try:
             nc = await asyncio.wait_for(cls._connect(url, name, on_reconnect), deadline_s)
         except (TimeoutError, OSError, nats.errors.Error) as exc:
-            raise Unavailable(f"cannot connect to NATS at {url}: {exc or 'timed out'}") from exc
+            why = str(exc) or f"{type(exc).__name__}, no answer within {deadline_s:g}s"
+            raise Unavailable(f"cannot connect to NATS at {url}: {why}") from exc
         return cls(nc, name)
 
     @staticmethod

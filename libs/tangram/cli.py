@@ -1,18 +1,24 @@
-"""``tangram``: the command line, and the one composition root of the project.
+"""tangram: run actions of RL trajectories on pooled resources (the command line).
 
-tangram up        the whole mesh on this machine (embedded NATS + Postgres)
+tangram up        the whole mesh on this machine (embedded NATS + Postgres); Ctrl-C stops it
 tangram sandbox-image   build the default Docker sandbox image offline (docker import)
 tangram service   one service against given NATS/Postgres URLs
-tangram exec      run one action from a shell
+tangram exec      run a command in a trajectory's own environment (prints the action id)
+tangram cancel / result / close-env / status / health   act on a running mesh
 tangram demo      an embedded mesh running a small AI-coding rollout, with a report
 tangram simulate  the trace-driven simulator (the scheduler's core on a virtual clock)
+
+Commands on a running mesh find it by themselves: --nats, $TANGRAM_NATS_URL, the mesh.json
+that `tangram up` writes in --state-dir (default .state), then port 4222 on this machine.
+tangram quota     declare API quotas (quota set NAME ...) and list them with what they learned
+tangram services  register model services (services register NAME module:factory) and list them
+tangram infer     call a model service: tangram infer SERVICE JSON
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -21,10 +27,12 @@ from typing import Any
 
 import uvloop
 
-from tangram import runtime, telemetry
+from tangram import cli_ops, runtime, services_cli, telemetry
 from tangram.errors import TangramError
 
 DEFAULT_STATE = Path(os.environ.get("TANGRAM_STATE_DIR", ".state"))
+SERVICE_NAMES = ["gateway", "scheduler", "cpu_manager", "quota_manager", "gpu_manager"]
+_QUOTA_LINE = "quota_manager: HTTP calls under quotas (keys from its env; tangram quota set)"
 
 
 def _mesh_opts(args: argparse.Namespace) -> Any:
@@ -53,12 +61,17 @@ async def _cpu_backend(args: argparse.Namespace) -> tuple[str, str]:
 
 async def cmd_up(args: argparse.Namespace) -> int:
     from tangram.bus import Bus
+    from tangram.discovery import DEFAULT_PORT
     from tangram.launcher import Mesh
 
     opts = _mesh_opts(args)
+    opts.nats_port = DEFAULT_PORT  # clients find it with no URL (when the port is free)
+    mesh = Mesh(opts)
+    mesh.lock.acquire()  # a state dir in use: say by whom before anything starts
     opts.backend, line = await _cpu_backend(args)  # the agents run what this line says
     print(f"{'cpu':<11} {line}", flush=True)
-    mesh = Mesh(opts)
+    print(f"{'quota':<11} {_QUOTA_LINE}", flush=True)
+    print(f"{'gpu':<11} {await asyncio.to_thread(services_cli.gpu_line)}", flush=True)
     stop = asyncio.Event()
     runtime.install_signals(stop)
     try:
@@ -72,12 +85,25 @@ async def cmd_up(args: argparse.Namespace) -> int:
             f"{st.free_cores} free cores"
         )
         print(f"mesh up: nats {mesh.nats_url}  postgres {mesh.postgres_dsn}")
+        await _register_services(mesh, args.services)
         print(f"wrote {mesh.opts.state_dir / 'mesh.json'}; Ctrl-C stops everything", flush=True)
         await stop.wait()
     finally:
         print("stopping...", flush=True)
         await mesh.stop()
     return 0
+
+
+async def _register_services(mesh: Any, path: str | None) -> None:
+    """Register the services ``tangram up --services FILE`` lists, saying how each went."""
+    from tangram.client import Client
+
+    if path is None:
+        return
+    specs = services_cli.load_specs(Path(path))
+    async with Client.connect(mesh.nats_url) as client:
+        for state in await services_cli.register_all(client, specs):
+            print(services_cli.state_line(state), flush=True)
 
 
 def _status_lines(mesh: Any) -> None:
@@ -108,45 +134,20 @@ def _builder(name: str) -> runtime.Build:
         from services.cpu_manager.service import build as cpu_manager
 
         return cpu_manager
-    raise SystemExit(f"unknown service {name!r}; known: gateway, scheduler, cpu_manager")
+    if name == "quota_manager":
+        from services.quota_manager.service import build as quota_manager
+
+        return quota_manager
+    if name == "gpu_manager":
+        from services.gpu_manager.service import build as gpu_manager
+
+        return gpu_manager
+    raise SystemExit(f"unknown service {name!r}; known: {', '.join(SERVICE_NAMES)}")
 
 
 def _nats_url(args: argparse.Namespace) -> str:
-    if args.nats:
-        return str(args.nats)
-    mesh_json = Path(args.state_dir) / "mesh.json"
-    if mesh_json.exists():
-        return str(json.loads(mesh_json.read_text())["nats_url"])
-    return "nats://127.0.0.1:4222"
-
-
-def _cpus(text: str) -> int | tuple[int, int]:
-    lo, _, hi = text.partition("-")
-    return (int(lo), int(hi)) if hi else int(lo)
-
-
-async def cmd_exec(args: argparse.Namespace) -> int:
-    from tangram.client import Client
-
-    if not args.command:
-        raise SystemExit("tangram exec: give a command after --")
-    command: str | list[str] = args.command[0] if len(args.command) == 1 else args.command
-    async with Client.connect(_nats_url(args)) as client:
-        res = await client.exec(
-            command,
-            trajectory_id=args.trajectory,
-            job_id=args.job,
-            cpus=_cpus(args.cpus),
-            timeout_s=args.timeout,
-        )
-    sys.stdout.write(res.stdout)
-    sys.stderr.write(res.stderr)
-    if res.error is not None and res.error.infrastructure:
-        print(
-            f"tangram: {res.status}: {res.error.kind.value}: {res.error.message}", file=sys.stderr
-        )
-        return 125
-    return res.exit_code if res.exit_code is not None else 1
+    """--nats, $TANGRAM_NATS_URL, a live mesh.json in --state-dir, then port 4222."""
+    return cli_ops.locate(args)
 
 
 async def cmd_sandbox_image(args: argparse.Namespace) -> int:
@@ -168,13 +169,47 @@ async def cmd_demo(args: argparse.Namespace) -> int:
     from tangram.demo import DemoOptions, run_demo
 
     opts = DemoOptions(trajectories=args.trajectories, turns=args.turns, tests=args.tests)
-    return await run_demo(_mesh_opts(args), opts)
+    mesh_opts = _mesh_opts(args)
+    mesh_opts.backend, line = await _cpu_backend(args)  # said in the demo's report
+    print(f"cpu backend: {line}", flush=True)
+    return await run_demo(mesh_opts, opts)
 
 
 def cmd_simulate(argv: list[str]) -> int:
     from services.scheduler.sim.simulator import main as simulate
 
     return int(simulate(argv) or 0)
+
+
+async def cmd_quota(args: argparse.Namespace) -> int:
+    from tangram.client import Client
+    from tangram.quota_cli import quota_table, spec_of
+
+    async with Client.connect(_nats_url(args)) as client:
+        if args.quota_cmd == "set":
+            await client.set_quota(spec_of(args))
+            print(f"quota {args.name} set")
+        else:
+            print(quota_table(await client.list_quotas()))
+    return 0
+
+
+async def cmd_infer(args: argparse.Namespace) -> int:
+    return await services_cli.cmd_infer(args, _nats_url(args))
+
+
+async def cmd_services(args: argparse.Namespace) -> int:
+    return await services_cli.cmd_services(args, _nats_url(args))
+
+
+def _quota_args(p: argparse.ArgumentParser) -> None:
+    from tangram.quota_cli import add_set_args
+
+    qs = p.add_subparsers(dest="quota_cmd", required=True)
+    for q in (qs.add_parser("set", help="declare or change a quota"), qs.add_parser("list")):
+        q.add_argument("--state-dir", default=str(DEFAULT_STATE))
+        q.add_argument("--nats", default=None)
+    add_set_args(qs.choices["set"])
 
 
 def _mesh_args(p: argparse.ArgumentParser) -> None:
@@ -208,19 +243,14 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--log-level", default=os.environ.get("TANGRAM_LOG_LEVEL", "WARNING"))
     sub = ap.add_subparsers(dest="cmd", required=True)
-    _mesh_args(sub.add_parser("up", help="run the whole mesh on this machine"))
+    up = sub.add_parser("up", help="run the whole mesh on this machine")
+    _mesh_args(up)
+    services_cli.add_up_args(up)
     sp = sub.add_parser("service", help="run one service")
-    sp.add_argument("name", choices=["gateway", "scheduler", "cpu_manager"])
+    sp.add_argument("name", choices=SERVICE_NAMES)
     sp.add_argument("--nats", default=None)
     sp.add_argument("--postgres", default=None)
-    ep = sub.add_parser("exec", help="run one action: tangram exec -- CMD ...")
-    ep.add_argument("--state-dir", default=str(DEFAULT_STATE))
-    ep.add_argument("--nats", default=None)
-    ep.add_argument("--trajectory", default="cli")
-    ep.add_argument("--job", default="cli")
-    ep.add_argument("--cpus", default="1", help="N or MIN-MAX")
-    ep.add_argument("--timeout", type=float, default=600.0)
-    ep.add_argument("command", nargs=argparse.REMAINDER)
+    cli_ops.add_parsers(sub, str(DEFAULT_STATE))
     ip = sub.add_parser("sandbox-image", help="build the default Docker sandbox image offline")
     ip.add_argument("--image", default="tangram-sandbox:latest", help="tag to build")
     ip.add_argument("--docker-host", default=None, help="default: TANGRAM_CPU_DOCKER_HOST")
@@ -229,6 +259,8 @@ def parser() -> argparse.ArgumentParser:
     dp.add_argument("--trajectories", type=int, default=32)
     dp.add_argument("--turns", type=int, default=4)
     dp.add_argument("--tests", type=int, default=6, help="test cases per trajectory")
+    _quota_args(sub.add_parser("quota", help="declare and list API quotas"))
+    services_cli.add_parsers(sub, str(DEFAULT_STATE))
     sub.add_parser(
         "simulate", help="trace-driven simulator (see tangram simulate --help)", add_help=False
     )
@@ -245,11 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     runtime.setup_logging(args.log_level.upper())
     telemetry.setup(f"tangram-{args.cmd}", os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
     commands = {
+        **cli_ops.COMMANDS,
         "up": cmd_up,
         "service": cmd_service,
-        "exec": cmd_exec,
         "demo": cmd_demo,
         "sandbox-image": cmd_sandbox_image,
+        "quota": cmd_quota,
+        "infer": cmd_infer,
+        "services": cmd_services,
     }
     try:
         return uvloop.run(commands[args.cmd](args))
@@ -258,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # one line, not a traceback (--log-level DEBUG shows it)
+        logging.getLogger("tangram").debug("failed", exc_info=True)
+        print(f"tangram: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     finally:
         telemetry.shutdown()
 

@@ -23,7 +23,7 @@ from msgspec import UNSET, UnsetType
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from tangram import subjects, telemetry
+from tangram import discovery, subjects, telemetry
 from tangram.bus import Bus
 from tangram.contract import (
     Accepted,
@@ -34,10 +34,34 @@ from tangram.contract import (
     DurationHint,
     ExecAction,
     GetResult,
+    HttpAction,
+    InferAction,
+    LeaseAction,
+    ListQuotas,
+    ListServices,
+    Quotas,
+    QuotaSpec,
+    QuotaState,
+    RegisterService,
+    ReleaseLease,
+    Services,
+    ServiceSpec,
+    ServiceState,
+    SetQuota,
     Submit,
+    checked_quota,
+    checked_service,
     codec,
 )
-from tangram.errors import Busy, RemoteError, ResultTimeout, TangramError, Unavailable
+from tangram.errors import (
+    Busy,
+    InvalidRequest,
+    RemoteError,
+    ResultTimeout,
+    TangramError,
+    Unavailable,
+)
+from tangram.lease import Lease, SyncLease
 
 T = TypeVar("T")
 
@@ -51,7 +75,7 @@ POLL_MIN_S, POLL_MAX_S = 0.05, 1.0  # polling for results of other clients' acti
 
 
 class Client:
-    """Async client of a Tangram mesh. Use ``async with Client.connect(url) as client``."""
+    """Async client of a Tangram mesh. Use ``async with Client.connect() as client``."""
 
     def __init__(self, bus: Bus, *, request_timeout: float = GATEWAY_TIMEOUT_S) -> None:
         self.bus = bus
@@ -63,14 +87,23 @@ class Client:
         self._ids = itertools.count()
 
     @classmethod
-    def connect(cls, nats_url: str = "nats://127.0.0.1:4222", **kw: Any) -> _Connecting:
-        """Connect to the mesh's NATS (await it, or use it as an async context manager)."""
+    def connect(cls, nats_url: str | None = None, **kw: Any) -> _Connecting:
+        """Connect to the mesh's NATS (await it, or use it as an async context manager).
+
+        Without a URL the running mesh is found: ``TANGRAM_NATS_URL``, then the live
+        ``mesh.json`` in ``TANGRAM_STATE_DIR`` (default ``.state``), then port 4222 here."""
         return _Connecting(cls._open(nats_url, **kw))
 
     @classmethod
-    async def _open(cls, nats_url: str, **kw: Any) -> Client:
+    async def _open(cls, nats_url: str | None, **kw: Any) -> Client:
         holder: list[Client] = []
-        bus = await Bus.connect(nats_url, "tangram-client", on_reconnect=lambda: holder[0].resync())
+        found = discovery.find(nats_url)
+        try:
+            bus = await Bus.connect(
+                found.url, "tangram-client", on_reconnect=lambda: holder[0].resync()
+            )
+        except Unavailable as exc:
+            raise Unavailable(f"{exc.message} (URL from {found.source})") from None
         client = cls(bus, **kw)
         holder.append(client)
         client._sub = await bus.nc.subscribe(
@@ -181,6 +214,143 @@ class Client:
     async def cancel(self, action_id: str) -> None:
         """Cancel a queued or running action (its result says ``cancelled``)."""
         await self._gateway(Cancel(action_id=action_id))
+
+    # ------------------------------------------------------------------ quotas
+
+    async def set_quota(self, spec: QuotaSpec) -> None:
+        """Declare (or change) a quota for the whole mesh; durable once this returns."""
+        await self._gateway(SetQuota(spec=checked_quota(spec)))
+
+    async def list_quotas(self) -> list[QuotaState]:
+        """Every quota with what its limiter learned (rate, use, queue, 429s seen)."""
+        reply = await self._gateway(ListQuotas())
+        if not isinstance(reply, Quotas):
+            raise TangramError(f"unexpected reply to list_quotas: {type(reply).__name__}")
+        return list(reply.quotas)
+
+    async def http(
+        self,
+        method: str,
+        url: str,
+        *,
+        quota: str,
+        job_id: str,
+        trajectory_id: str = "",
+        headers: dict[str, str] | None = None,
+        body: bytes | str | None = None,
+        timeout_s: float | UnsetType = UNSET,
+        tokens: int = 0,
+        max_retries: int | UnsetType = UNSET,
+        response_cap_bytes: int | UnsetType = UNSET,
+        queue_timeout_s: float | UnsetType | None = UNSET,
+        action_id: str | None = None,
+        wait_s: float | None = None,
+    ) -> ActionResult:
+        """Make one HTTP call under ``quota`` (only to the quota's hosts; its API key is added
+        by the mesh). ``result.http`` holds the status, headers and capped body; ``tokens``
+        is the call's estimate, reserved from a token window and trued up after."""
+        action = HttpAction(
+            **_given(
+                method=method.upper(),
+                url=url,
+                quota=quota,
+                headers=dict(headers or {}),
+                body=body.encode() if isinstance(body, str) else (body or b""),
+                tokens=tokens,
+                max_retries=max_retries,
+                response_cap_bytes=response_cap_bytes,
+            )
+        )
+        spec = self._quota_spec(
+            action, job_id, trajectory_id, action_id, timeout_s=timeout_s, queue=queue_timeout_s
+        )
+        return await self.run(spec, wait_s=wait_s)
+
+    def lease(
+        self,
+        quota: str,
+        *,
+        job_id: str,
+        units: int = 1,
+        tokens: int = 0,
+        ttl_s: float = 60.0,
+        trajectory_id: str = "",
+        action_id: str | None = None,
+        wait_s: float | None = None,
+    ) -> Lease:
+        """``async with client.lease(quota, job_id=...) as lease:`` a permit for a call made
+        here; released on exit (with ``lease.report(...)``) or when ``ttl_s`` runs out."""
+        action = LeaseAction(quota=quota, units=units, tokens=tokens, ttl_s=ttl_s)
+        spec = self._quota_spec(action, job_id, trajectory_id, action_id)
+        return Lease(self, spec, wait_s)
+
+    async def release_lease(self, release: ReleaseLease) -> None:
+        """End a lease (what ``async with client.lease(...)`` does on exit)."""
+        await self._gateway(release)
+
+    def _quota_spec(
+        self,
+        action: HttpAction | LeaseAction,
+        job_id: str,
+        trajectory_id: str,
+        action_id: str | None,
+        *,
+        timeout_s: float | UnsetType = UNSET,
+        queue: float | UnsetType | None = UNSET,
+    ) -> ActionSpec:
+        return ActionSpec(
+            **_given(
+                action_id=action_id or self.new_action_id(),
+                job_id=job_id,
+                trajectory_id=trajectory_id,
+                action=action,
+                timeout_s=timeout_s,
+                queue_timeout_s=queue,
+            )
+        )
+
+    # ------------------------------------------------------------------ model services
+
+    async def register_service(self, spec: ServiceSpec) -> ServiceState:
+        """Register (or update) a model service; returns once the GPU nodes prepared it.
+        A factory that cannot be imported or built raises the error naming why."""
+        states = _services(await self._gateway(RegisterService(spec=checked_service(spec))))
+        found = [s for s in states if s.spec.name == spec.name]
+        return found[0] if found else ServiceState(spec=spec)
+
+    async def list_services(self) -> list[ServiceState]:
+        """Every registered service: where it is prepared and resident, or why it failed."""
+        return list(_services(await self._gateway(ListServices())))
+
+    async def infer(
+        self,
+        service: str,
+        payload: Any = None,
+        *,
+        job_id: str,
+        trajectory_id: str = "",
+        timeout_s: float | UnsetType = UNSET,
+        action_id: str | None = None,
+        queue_timeout_s: float | UnsetType | None = UNSET,
+        wait_s: float | None = None,
+    ) -> ActionResult:
+        """Call a registered model service with ``payload`` (any msgpack value); the
+        handler's output for it is ``result.output``."""
+        try:
+            msgspec.msgpack.encode(payload)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidRequest(f"infer payload is not a msgpack value: {exc}") from exc
+        spec = ActionSpec(
+            **_given(
+                action_id=action_id or self.new_action_id(),
+                job_id=job_id,
+                trajectory_id=trajectory_id,
+                action=InferAction(service=service, payload=payload),
+                timeout_s=timeout_s,
+                queue_timeout_s=queue_timeout_s,
+            )
+        )
+        return await self.run(spec, wait_s=wait_s)
 
     def new_action_id(self) -> str:
         return f"{self.client_id[:12]}-{next(self._ids)}"
@@ -304,6 +474,12 @@ async def _wait(fut: asyncio.Future[ActionResult], timeout: float) -> bool:
     return bool(done)
 
 
+def _services(reply: object) -> tuple[ServiceState, ...]:
+    if not isinstance(reply, Services):
+        raise TangramError(f"unexpected reply about services: {type(reply).__name__}")
+    return reply.services
+
+
 def _given(**fields: Any) -> dict[str, Any]:
     """The fields a caller set: the rest take the contract's defaults."""
     return {k: v for k, v in fields.items() if v is not UNSET}
@@ -356,11 +532,20 @@ class _Connecting:
 class SyncClient:
     """Blocking client for rollout code that is not async; same methods as :class:`Client`."""
 
-    def __init__(self, nats_url: str = "nats://127.0.0.1:4222", **kw: Any) -> None:
+    def __init__(self, nats_url: str | None = None, **kw: Any) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tangram", daemon=True)
         self._thread.start()
-        self._client: Client = self._call(Client._open(nats_url, **kw))
+        try:
+            self._client: Client = self._call(Client._open(nats_url, **kw))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @classmethod
+    def connect(cls, nats_url: str | None = None, **kw: Any) -> SyncClient:
+        """The same spelling as :meth:`Client.connect` (and the same search for the mesh)."""
+        return cls(nats_url, **kw)
 
     def _call(self, coro: Awaitable[T]) -> T:
         fut: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(
@@ -386,11 +571,36 @@ class SyncClient:
     def cancel(self, action_id: str) -> None:
         self._call(self._client.cancel(action_id))
 
+    def register_service(self, spec: ServiceSpec) -> ServiceState:
+        return self._call(self._client.register_service(spec))
+
+    def list_services(self) -> list[ServiceState]:
+        return self._call(self._client.list_services())
+
+    def infer(self, service: str, payload: Any = None, **kw: Any) -> ActionResult:
+        return self._call(self._client.infer(service, payload, **kw))
+
+    def http(self, method: str, url: str, **kw: Any) -> ActionResult:
+        return self._call(self._client.http(method, url, **kw))
+
+    def set_quota(self, spec: QuotaSpec) -> None:
+        self._call(self._client.set_quota(spec))
+
+    def list_quotas(self) -> list[QuotaState]:
+        return self._call(self._client.list_quotas())
+
+    def lease(self, quota: str, **kw: Any) -> SyncLease:
+        """``with sync_client.lease(quota, job_id=...) as lease:`` (see :meth:`Client.lease`)."""
+        return SyncLease(self._client.lease(quota, **kw), self._call)
+
     def close(self) -> None:
         """Close the connection and stop the background loop (idempotent)."""
         if self._loop.is_closed():
             return
         self._call(self._client.close())
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
         self._loop.close()

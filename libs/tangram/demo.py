@@ -26,6 +26,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from tangram import demo_mopd
 from tangram.client import Client
 from tangram.contract import ActionResult
 from tangram.launcher import Mesh, MeshOptions
@@ -156,6 +157,7 @@ def report(console: Console, rows: list[tuple[str, ActionResult, float]], wall: 
 
 async def run_demo(mesh_opts: MeshOptions, opts: DemoOptions) -> int:
     console = Console()
+    mesh_opts.env.setdefault("TANGRAM_GPU_CPU_BUDGET_MB", demo_mopd.DEVICE_BUDGET_MB)
     console.print(f"starting an embedded mesh in {mesh_opts.state_dir} ...")
     async with Mesh(mesh_opts) as mesh:
         console.print(
@@ -181,5 +183,9 @@ async def run_demo(mesh_opts: MeshOptions, opts: DemoOptions) -> int:
                 )
                 wall = time.monotonic() - t0
         report(console, [row for rows in per for row in rows], wall)
+        console.print(f"ran on the {mesh_opts.backend} backend (mesh.json is removed on exit)")
         infra = sum(r.infrastructure_failure for rows in per for _, r, _ in rows)
+        if mesh_opts.gpu_manager:
+            async with Client.connect(mesh.nats_url) as client:
+                infra += await demo_mopd.run(console, client, job, opts.trajectories)
     return 1 if infra else 0

@@ -100,7 +100,11 @@ class EmbeddedNats:
             str(log),
         ]
         self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,
+            start_new_session=True,  # a terminal's Ctrl-C must not stop it before the services
         )
         wait_port(self.port, timeout_s, self.proc, log)
         return self
@@ -215,7 +219,10 @@ class EmbeddedPostgres:
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
+        # As the cluster's user: without -U it connects as the OS user, and the server logs
+        # 'FATAL: role "root" does not exist' at every start.
         isready = [str(self.bin_dir() / "pg_isready"), "-h", "127.0.0.1", "-p", str(self.port)]
+        isready += ["-U", "postgres", "-d", "postgres"]
         while time.monotonic() < deadline:
             if subprocess.run(isready, capture_output=True).returncode == 0:
                 return

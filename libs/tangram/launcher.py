@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -23,13 +23,14 @@ from tangram import config, subjects
 from tangram.bus import Bus
 from tangram.config import MeshConfig
 from tangram.contract import SchedulerStatus, StatusQuery
+from tangram.discovery import StateLock, remove_mesh, write_mesh
 from tangram.embedded import EmbeddedNats, EmbeddedPostgres, die_with_parent
 from tangram.errors import TangramError, Unavailable
 
 log = logging.getLogger(__name__)
 
-SERVICES = ("gateway", "scheduler", "cpu_manager")
-STOP_ORDER = ("gateway", "cpu_manager", "scheduler")
+SERVICES = ("gateway", "scheduler", "cpu_manager", "quota_manager", "gpu_manager")
+STOP_ORDER = ("gateway", "cpu_manager", "quota_manager", "gpu_manager", "scheduler")
 
 # A service stopping on SIGTERM may take up to twice its drain bound (the scheduler drains its
 # handlers, then its durable writers) plus fixed waits, each bounded in its own ``on_stop``. The
@@ -49,6 +50,9 @@ class MeshOptions:
     fsync: bool = True
     env: dict[str, str] = field(default_factory=dict)  # extra TANGRAM_* settings
     quiet: bool = False
+    nats_port: int | None = None  # the embedded NATS's port, if free (None: any free port)
+    quota_manager: bool = True  # run the quota node agent (HTTP calls under quotas)
+    gpu_manager: bool = True  # run one GPU node agent (CPU stand-ins where no GPU answers)
 
 
 class Mesh:
@@ -61,6 +65,7 @@ class Mesh:
         self.procs: dict[str, asyncio.subprocess.Process] = {}
         self.nats_url = opts.nats_url or ""
         self.postgres_dsn = opts.postgres_dsn or ""
+        self.lock = StateLock(opts.state_dir)
 
     async def __aenter__(self) -> Mesh:
         await self.start()
@@ -74,16 +79,16 @@ class Mesh:
     async def start_servers(self) -> None:
         state = self.opts.state_dir
         state.mkdir(parents=True, exist_ok=True)
+        self.lock.acquire()  # before any server touches the dir: a second mesh is told who
         if not self.nats_url:
-            self.nats = await asyncio.to_thread(EmbeddedNats(state / "nats").start)
+            nats = EmbeddedNats(state / "nats", port=_if_free(self.opts.nats_port))
+            self.nats = await asyncio.to_thread(nats.start)
             self.nats_url = self.nats.url
         if not self.postgres_dsn:
             pg = EmbeddedPostgres(state / "postgres", fsync=self.opts.fsync)
             self.pg = await asyncio.to_thread(pg.start)
             self.postgres_dsn = self.pg.dsn
-        (state / "mesh.json").write_text(
-            json.dumps({"nats_url": self.nats_url, "postgres_dsn": self.postgres_dsn}, indent=2)
-        )
+        write_mesh(state, self.nats_url, self.postgres_dsn)
 
     async def restart_nats(self) -> None:
         assert self.nats is not None
@@ -128,13 +133,18 @@ class Mesh:
                 stdout=out,
                 stderr=out,
                 preexec_fn=die_with_parent,
-            )
+                start_new_session=True,  # a terminal's Ctrl-C reaches `tangram up` alone,
+            )  # which stops the services in drain order, then the servers
 
     async def start(self, timeout_s: float = 60.0) -> None:
         await self.start_servers()
         await self.start_service("scheduler")
         for i in range(self.opts.nodes):
             await self.start_service("cpu_manager", i)
+        if self.opts.quota_manager:
+            await self.start_service("quota_manager")
+        if self.opts.gpu_manager:
+            await self.start_service("gpu_manager")
         await self.start_service("gateway")
         await self.wait_ready(timeout_s)
 
@@ -153,7 +163,7 @@ class Mesh:
                 self._check_alive()
                 with contextlib.suppress(TangramError):
                     st = await self.status(bus, timeout=1.0)
-                    if st.nodes >= self.opts.nodes and await self._gateway_answers(bus):
+                    if st.nodes >= self.expected_nodes() and await self._gateway_answers(bus):
                         return st
                 await asyncio.sleep(0.1)
         finally:
@@ -171,6 +181,10 @@ class Mesh:
         except TangramError:
             return False
         return True
+
+    def expected_nodes(self) -> int:
+        """Node agents of every kind the scheduler counts once this mesh is up."""
+        return self.opts.nodes + (1 if self.opts.quota_manager else 0)
 
     def _check_alive(self) -> None:
         for key, proc in self.procs.items():
@@ -221,3 +235,17 @@ class Mesh:
             await asyncio.to_thread(self.pg.stop)
         if self.nats is not None:
             await asyncio.to_thread(self.nats.stop)
+        remove_mesh(self.opts.state_dir)
+        self.lock.release()
+
+
+def _if_free(port: int | None) -> int | None:
+    """``port`` if nothing listens on it now (else None: any free port)."""
+    if port is None:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return None
+    return port

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,6 +25,7 @@ from tangram.errors import Unavailable
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 2.0
+CONTAINER_VAR = "TANGRAM_IN_CONTAINER"  # set by compose/Dockerfile
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +39,8 @@ class Choice:
 def _fallback(cfg: CpuManagerConfig, why: str) -> Choice:
     if cfg.backend == "docker":
         raise Unavailable(f"docker backend requested but {why}")
+    if os.environ.get(CONTAINER_VAR):  # the process backend would run actions in here, unisolated
+        raise Unavailable(f"no fallback to the process backend inside a container ({why})")
     return Choice("process", f"process backend ({why}; NOT isolated)")
 
 

@@ -6,12 +6,23 @@ Pure: no I/O. Decoding already enforced types and bounds; this checks what a sch
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tangram.contract import ActionSpec, Demand, ExecAction, UnifiedAction, kind_of
+from services.gateway.quota_formulation import formulate_quota, quota_of
+from tangram.contract import (
+    ActionSpec,
+    Demand,
+    ExecAction,
+    InferAction,
+    QuotaSpec,
+    UnifiedAction,
+    kind_of,
+)
 from tangram.errors import InvalidRequest
 
 CPU = "cpu"
+GPU = "gpu"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +65,16 @@ def formulate(
     limits: Limits,
     reply_subject: str = "",
     traceparent: str = "",
+    quotas: Mapping[str, QuotaSpec] | None = None,
 ) -> UnifiedAction:
-    """Validate ``spec`` and build its unified action (cost vector, key resource)."""
+    """Validate ``spec`` and build its unified action (cost vector, key resource); http and
+    lease actions against the declared ``quotas``."""
+    if quota_of(spec) is not None:
+        return formulate_quota(
+            spec, quotas or {}, now=now, reply_subject=reply_subject, traceparent=traceparent
+        )
+    if isinstance(spec.action, InferAction):
+        return formulate_infer(spec, now=now, reply_subject=reply_subject, traceparent=traceparent)
     if not isinstance(spec.action, ExecAction):
         raise InvalidRequest(f"{kind_of(spec.action)} actions are not served by this mesh yet")
     if not spec.trajectory_id:
@@ -71,6 +90,23 @@ def formulate(
         demands=demands,
         key_resource=CPU,
         env_memory_mb=spec.memory_mb,
+        submitted_at=now,
+        reply_subject=reply_subject,
+        traceparent=traceparent,
+    )
+
+
+def formulate_infer(
+    spec: ActionSpec, *, now: float, reply_subject: str = "", traceparent: str = ""
+) -> UnifiedAction:
+    """An infer action: GPUs of a chunk size the scheduler chooses among the service's DoPs
+    (``choices`` empty: the scheduler knows the services; it fails an unknown one naming the
+    registered ones). It needs no environment, so ``trajectory_id`` may be empty."""
+    return UnifiedAction(
+        spec=spec,
+        demands=(Demand(resource=GPU, choices=()),),
+        key_resource=GPU,
+        env_memory_mb=0,
         submitted_at=now,
         reply_subject=reply_subject,
         traceparent=traceparent,

@@ -15,7 +15,7 @@ from typing import Any
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.gateway import config, store
+from services.gateway import config, quotas_api, services_api, store
 from services.gateway.config import GatewayConfig
 from services.gateway.formulation import Limits, formulate
 from tangram import db, subjects, telemetry
@@ -32,7 +32,14 @@ from tangram.contract import (
     Enqueue,
     GatewayRequest,
     GetResult,
+    ListQuotas,
+    ListServices,
     Pending,
+    Quotas,
+    RegisterService,
+    ReleaseLease,
+    Services,
+    SetQuota,
     Submit,
     UnifiedAction,
 )
@@ -42,7 +49,7 @@ from tangram.runtime import Service
 log = logging.getLogger(__name__)
 
 SCHEDULER_TIMEOUT_S = 5.0
-Reply = Accepted | ActionResult | Pending | Done
+Reply = Accepted | ActionResult | Pending | Done | Services | Quotas
 
 
 class Gateway(Service):
@@ -54,6 +61,7 @@ class Gateway(Service):
         self.bus = bus
         self.pool = pool
         self.limits = Limits(max_cpus=cfg.max_cpus_per_action, max_memory_mb=cfg.max_memory_mb)
+        self.quotas = quotas_api.QuotaBook(pool)
         self.intake: db.GroupCommit[UnifiedAction, store.Intake] = db.GroupCommit(
             self._insert, max_batch=cfg.max_batch
         )
@@ -62,6 +70,7 @@ class Gateway(Service):
         return await store.insert_actions(self.pool, batch)
 
     async def on_start(self) -> None:
+        await self.quotas.load()
         self.intake.start()
         self.bus.serve(subjects.GATEWAY, self.handle, max_in_flight=self.cfg.max_in_flight)
         await self.bus.start()
@@ -81,6 +90,16 @@ class Gateway(Service):
                 return await self.forward(CloseEnvCmd(trajectory_id=tid))
             case Cancel(action_id=action_id):
                 return await self.forward(CancelCmd(action_id=action_id))
+            case RegisterService(spec=spec):
+                return await services_api.register(self.pool, self.bus, spec)
+            case ListServices():
+                return await services_api.list_services(self.bus)
+            case SetQuota(spec=spec):
+                return await self.quotas.set(self.bus, spec)
+            case ListQuotas():
+                return await quotas_api.list_quotas(self.bus)
+            case ReleaseLease():
+                return await quotas_api.release_lease(self.bus, req)
             case _:
                 raise InvalidRequest(f"{type(req).__name__} is not served by this mesh yet")
 
@@ -91,6 +110,7 @@ class Gateway(Service):
             limits=self.limits,
             reply_subject=req.reply_subject or "",
             traceparent=telemetry.current_traceparent(),
+            quotas=await self.quotas.fresh_for(req.spec),
         )
         intake = await self.intake.submit(action)
         if intake.duplicate:

@@ -1,8 +1,10 @@
 """Tangram gpu_manager: model services pooled over GPUs by evict-on-execution (§5.3).
 
-Pure parts so far: ``services.py`` (the user contract: a factory returning ``(model, handle)``),
-``host_copy.py`` (the invariant host copy of a service's state and its restore onto a device),
-``devices.py`` (inventory: NVML GPUs or CPU stand-ins, grouped into buddy chunks),
-``residency.py`` (which services are resident where; LRU eviction, one action per device) and
-``batching.py`` (coalescing concurrent calls into one forward pass).
+``service.py`` is the node agent on the shared runtime (``tangram.agent``); ``executor.py`` its
+GPU executor (lanes of calls, one batch per device at a time, torch in worker threads). Pure
+parts: ``services.py`` (the user contract: a factory returning ``(model, handle)``),
+``catalog.py`` (prepared services and their reports), ``host_copy.py`` (the invariant host
+copy and its restore), ``devices.py`` (NVML GPUs or CPU stand-ins, buddy chunks),
+``residency.py`` (LRU eviction, one action per device), ``batching.py`` (coalescing calls),
+``outcomes.py`` (a call's facts, output capped). ``examples.py``: small models built in code.
 """

@@ -8,16 +8,21 @@ a service it ``take``s up to ``max_batch`` of that service's calls (oldest first
 
 from __future__ import annotations
 
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, Literal
 
 import torch
 
 from tangram.errors import Busy, InvalidRequest
 
 Handle = Callable[[torch.nn.Module, list[Any]], list[Any]]
+Fault = Literal["handler", "oom", "device"]
+# Words of a RuntimeError torch raises when the device itself failed (not the handler's code).
+DEVICE_ERRORS: Final = ("CUDA error", "device-side assert", "cudaError", "NVML", "ECC error")
+TRACE_CHARS: Final = 2000  # of a handler's traceback: its tail says where it failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +45,14 @@ class Batch:
 
 @dataclass(frozen=True, slots=True)
 class Output:
-    """A call's result: ``value`` when ``error`` is empty, else the handler's failure."""
+    """A call's result: ``value`` when ``error`` is empty, else the failure: the handler's
+    own (``trace`` its traceback's tail), the device's memory, or the device itself."""
 
     call_id: str
     value: Any = None
     error: str = ""
+    fault: Fault = "handler"
+    trace: str = ""
 
 
 class BatchFormer:
@@ -74,6 +82,18 @@ class BatchFormer:
         queue = self._queues.get(service)
         return len(queue) if queue else 0
 
+    def cancel(self, call_id: str) -> Call | None:
+        """Remove a pending call (None when it is not pending: running or unknown)."""
+        for service, queue in self._queues.items():
+            call = next((c for c in queue if c.call_id == call_id), None)
+            if call is not None:
+                queue.remove(call)
+                if not queue:
+                    del self._queues[service]
+                self._size -= 1
+                return call
+        return None
+
     def take(self, service: str, max_batch: int) -> Batch | None:
         """Up to ``max_batch`` of ``service``'s oldest calls (None when it has none)."""
         if max_batch < 1:
@@ -94,12 +114,24 @@ def run_batch(model: torch.nn.Module, handle: Handle, batch: Batch) -> list[Outp
         with torch.inference_mode():
             values = handle(model, [c.payload for c in batch.calls])
     except Exception as exc:  # the handler is user code: its failure is the calls' own
-        return _failed(batch, f"handler raised {exc!r}")
+        trace = traceback.format_exc()[-TRACE_CHARS:]
+        return _failed(batch, f"handler raised {exc!r}", fault_of(exc), trace)
     if not isinstance(values, list) or len(values) != len(batch.calls):
         got = len(values) if isinstance(values, list) else type(values).__name__
         return _failed(batch, f"handler returned {got} outputs for {len(batch.calls)} payloads")
     return [Output(c.call_id, v) for c, v in zip(batch.calls, values, strict=True)]
 
 
-def _failed(batch: Batch, message: str) -> list[Output]:
-    return [Output(c.call_id, error=message) for c in batch.calls]
+def fault_of(exc: BaseException) -> Fault:
+    """Whose failure an exception raised while running a handler is."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError | MemoryError):
+        return "oom"
+    if isinstance(exc, RuntimeError) and "out of memory" in str(exc):
+        return "oom"
+    if isinstance(exc, RuntimeError) and any(w in str(exc) for w in DEVICE_ERRORS):
+        return "device"
+    return "handler"
+
+
+def _failed(batch: Batch, message: str, fault: Fault = "handler", trace: str = "") -> list[Output]:
+    return [Output(c.call_id, error=message, fault=fault, trace=trace) for c in batch.calls]

@@ -1,9 +1,9 @@
-"""The quota_manager service: cluster-wide API quotas for HTTP calls and leases.
+"""The quota node agent (quota_manager): makes the HTTP calls the scheduler's quota core lets go.
 
-Pure cores only so far (deterministic, time passed in as ``now``, no I/O): ``spec.py`` (the
-user's ``QuotaSpec``), ``hosts.py`` (parsing ``host[:port]`` entries), ``limiter.py`` (one
-quota's concurrency, request-rate and token windows), ``adaptive.py`` (AIMD learning of the
-provider's real limit, rate-limit header hints), ``fair.py`` (weighted fair queueing across
-jobs), ``reach.py`` (the SSRF guard) and ``sim.py`` (the DeepSearch policy comparison). The
-async shell over NATS and the scheduler wiring come with the shared agent runtime.
+``service.py`` is the agent on the shared runtime (``tangram.agent``) with an HTTP executor
+(one call per dispatch, the quota's API key added from this process's environment);
+``http.py`` makes a call guarded hop by hop by ``reach.py`` (the SSRF guard: scheme,
+allow-list, IP literals, sizes, the resolved address); ``config.py`` its settings
+(``TANGRAM_QUOTA_*``). The quota cores (limiter, fair queue, AIMD) live in the scheduler,
+which owns allocation.
 """

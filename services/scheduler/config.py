@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from services.scheduler.core.quota_books import QuotaConfig, parse_weights
 from services.scheduler.core.scheduler import CoreConfig, PositiveFloat
 from services.scheduler.policies.spec import PolicySpec, parse_policy
 from tangram import config
@@ -24,6 +25,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reconcile_grace_s: PositiveFloat = 1.0
     tick_s: PositiveFloat = 0.25
     sweep_s: PositiveFloat = 2.0
+    job_weights: str = ""  # quotas' fair share across jobs: "job=2,other=0.5" (unlisted: 1)
     core: CoreConfig = CoreConfig()
 
     def __post_init__(self) -> None:
@@ -33,9 +35,23 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             parse_policy(self.policy)
         except ValueError as exc:
             raise ValueError(f"{PREFIX}POLICY: {exc}") from exc
+        try:
+            parse_weights(self.job_weights)
+        except ValueError as exc:
+            raise ValueError(f"{PREFIX}JOB_WEIGHTS: {exc}") from exc
 
     def policy_spec(self) -> PolicySpec:
         return parse_policy(self.policy)
+
+    def quota_config(self) -> QuotaConfig:
+        """The quota core's settings: the node core's timings, and the job weights."""
+        c = self.core
+        return QuotaConfig(
+            node_timeout_s=c.node_timeout_s,
+            dispatch_grace_s=c.dispatch_grace_s,
+            kill_grace_s=c.kill_grace_s,
+            weights=parse_weights(self.job_weights),
+        )
 
 
 def load(overrides: Mapping[str, Any] | None = None) -> tuple[MeshConfig, SchedulerConfig]:

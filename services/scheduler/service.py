@@ -23,7 +23,7 @@ from typing import Any
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.scheduler import config, store
+from services.scheduler import config, gpu_shell, quota_store, store
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core.effects import (
     DropEnvOnNode,
@@ -31,9 +31,14 @@ from services.scheduler.core.effects import (
     EnvChanged,
     Finish,
     KillOnNode,
+    PrepareOnNode,
+    ServiceSettled,
     StartOnNode,
 )
+from services.scheduler.core.quota import QuotaCore
+from services.scheduler.core.quota_books import ask_of
 from services.scheduler.core.scheduler import SchedulerCore
+from services.scheduler.core.status import status_reply
 from services.scheduler.policies.spec import make_policy
 from tangram import db, subjects
 from tangram.bus import BaseBus, open_bus
@@ -48,13 +53,22 @@ from tangram.contract import (
     Enqueue,
     EnvExpired,
     Kill,
+    LeaseEnd,
     NodeLeaving,
     NodeMessage,
     NodeReport,
+    Prepare,
+    QuotaCmd,
     Reconcile,
+    Resources,
+    ResourcesQuery,
     SchedulerRequest,
     SchedulerStatus,
+    ServiceCmd,
+    Services,
+    ServiceSpec,
     StatusQuery,
+    UnifiedAction,
 )
 from tangram.errors import TangramError
 from tangram.runtime import Service
@@ -62,7 +76,7 @@ from tangram.runtime import Service
 log = logging.getLogger(__name__)
 
 WRITE_RETRY = db.Backoff(first_s=0.02, max_s=2.0)
-NodeEffect = StartOnNode | KillOnNode | DropEnvOnNode
+NodeEffect = StartOnNode | KillOnNode | DropEnvOnNode | PrepareOnNode
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,17 +103,21 @@ class Scheduler(Service):
         self.pool = pool
         self.clock = clock
         self.core = SchedulerCore(make_policy(cfg.policy_spec()), cfg.core)
+        self.quotas = QuotaCore(cfg.quota_config())  # http and lease actions
         self.epoch = 0
         self.starts = self._writer("started-writer")  # synchronous_commit off
         self.records = self._writer("record-writer")  # terminal and env records
         self.pending: dict[str, asyncio.Future[None]] = {}  # finish records not yet committed
         self._commands: asyncio.Queue[_Command] = asyncio.Queue()
         self._dirty = asyncio.Event()
+        self.registrations = gpu_shell.Registrations()
+        self._waits_logged: dict[str, str] = {}  # the placement waits already logged
 
     # ------------------------------------------------------------------ lifecycle
 
     async def on_start(self) -> None:
         self.epoch = await store.next_epoch(self.pool)
+        self.core.restore_services(await gpu_shell.load_services(self.pool))
         await self._rebuild()
         for writer, name in ((self.starts, "started-writer"), (self.records, "record-writer")):
             writer.start()
@@ -113,6 +131,7 @@ class Scheduler(Service):
         self.spawn(self._decide_loop(), "decide")
         self.spawn(self._tick_loop(), "tick")
         self.spawn(self._sweep_loop(), "sweep")
+        self.spawn(self._quota_timer(), "quota-timer")
         log.info("scheduler epoch %d up, policy %s", self.epoch, self.core.policy.name)
 
     async def on_stop(self, grace_s: float) -> None:
@@ -127,12 +146,26 @@ class Scheduler(Service):
             self.core.restore_env(env)
         self.core.gone_envs.update(gone)
         now = self.clock()
+        await quota_store.rebuild(self.pool, self.quotas, now)
         for row in await store.load_open(self.pool):
-            if row.status == "running" and row.node_id and row.incarnation:
+            if ask_of(row.action) is not None:
+                self._restore_quota(row, now)
+            elif row.status == "running" and row.node_id and row.incarnation:
                 self.core.restore_running(row.action, row.node_id, row.incarnation, row.cores, now)
             else:
                 self.core.enqueue(row.action, now)
         log.info("rebuilt: %s", self.core.snapshot())
+
+    def _restore_quota(self, row: store.OpenAction, now: float) -> None:
+        if row.status == "running" and row.node_id and row.incarnation:
+            self.quotas.restore_call(row.action, row.node_id, row.incarnation, now)
+        else:
+            self.quotas.enqueue(row.action, now)
+
+    def _enqueue(self, action: UnifiedAction, now: float) -> None:
+        """An http or lease action goes to the quota core, any other to the node core."""
+        core = self.quotas if ask_of(action) is not None else self.core
+        core.enqueue(action, now)
 
     def _writer(self, name: str) -> db.GroupCommit[store.Record, None]:
         """A durable writer (started with the service)."""
@@ -143,11 +176,13 @@ class Scheduler(Service):
 
     # ------------------------------------------------------------------ handlers
 
-    async def on_action(self, req: SchedulerRequest, msg: Msg) -> Ack | SchedulerStatus | None:
+    async def on_action(
+        self, req: SchedulerRequest, msg: Msg
+    ) -> Ack | SchedulerStatus | Services | Resources | None:
         now = self.clock()
         match req:
             case Enqueue(action=action):
-                self.core.enqueue(action, now)
+                self._enqueue(action, now)
                 self._dirty.set()
                 return None
             case CloseEnvCmd(trajectory_id=tid):
@@ -155,14 +190,30 @@ class Scheduler(Service):
                 await self.apply(effects)
                 await self._recorded([e.result.action_id for e in effects if isinstance(e, Finish)])
             case CancelCmd(action_id=aid):
-                await self.apply(self.core.cancel(aid, now))
+                owner = self.quotas if self.quotas.owns(aid) else self.core
+                await self.apply(owner.cancel(aid, now))
                 await self._recorded([aid])
             case StatusQuery():
-                return SchedulerStatus(
-                    epoch=self.epoch, policy=self.core.policy.name, **self.core.snapshot()
+                return status_reply(self.core, self.epoch, now, self.quotas)
+            case ServiceCmd(spec=spec):
+                return await self._register(spec, now)
+            case ResourcesQuery():
+                return Resources(
+                    services=self.core.service_states(), quotas=self.quotas.states(now)
                 )
+            case QuotaCmd(spec=spec):
+                self.quotas.set_quota(spec, now)
+            case LeaseEnd():
+                self.quotas.lease_end(req, now)
         self._dirty.set()
         return Ack()
+
+    async def _register(self, spec: ServiceSpec, now: float) -> Services:
+        """Have every GPU node prepare ``spec``; answer when each has reported it (bounded)."""
+        answer = self.registrations.wait(spec.name)
+        await self.apply(self.core.register_service(spec, now))
+        self._dirty.set()  # queued calls to it may run now
+        return await answer
 
     async def on_node(self, req: NodeMessage, msg: Msg) -> Ack:
         now = self.clock()
@@ -170,18 +221,22 @@ class Scheduler(Service):
             case Completion():
                 return await self._completion(req, now)
             case NodeReport():
-                await self.apply(self.core.node_report(req, now))
+                core = self.quotas if req.inventory.kind == "quota" else self.core
+                await self.apply(core.node_report(req, now))
             case EnvExpired(node_id=node_id, trajectory_id=tid):
                 await self.apply(self.core.env_expired(node_id, tid))
             case NodeLeaving(node_id=node_id, incarnation=inc, draining=draining):
                 log.info("node %s (%s) is %s", node_id, inc, "draining" if draining else "gone")
-                await self.apply(self.core.node_leaving(req, now))
+                await self.apply(
+                    self.core.node_leaving(req, now) + self.quotas.node_leaving(req, now)
+                )
         self._dirty.set()
         return Ack()
 
     async def _completion(self, c: Completion, now: float) -> Ack:
         aid = c.action_id
-        effects = self.core.complete(c, now)
+        owner = self.quotas if self.quotas.owns(aid) else self.core
+        effects = owner.complete(c, now)
         self._dirty.set()
         await self.apply(effects)
         await self._recorded([aid])  # a duplicate waits too: ack only what is committed
@@ -213,8 +268,10 @@ class Scheduler(Service):
             case StartOnNode():
                 started = self.starts.enqueue(store.Started(e, self.clock()))
                 self._commands.put_nowait(_Command(e, started))
-            case KillOnNode() | DropEnvOnNode():
+            case KillOnNode() | DropEnvOnNode() | PrepareOnNode():
                 self._commands.put_nowait(_Command(e))
+            case ServiceSettled():
+                self.registrations.settle(e)
             case Finish():
                 self._finish(e)
             case EnvChanged():
@@ -236,7 +293,14 @@ class Scheduler(Service):
             case StartOnNode():
                 if self._still_assigned(e):
                     cmd = Dispatch(
-                        action=e.action, cores=e.cores, epoch=self.epoch, incarnation=e.incarnation
+                        action=e.action,
+                        cores=e.cores,
+                        epoch=self.epoch,
+                        incarnation=e.incarnation,
+                        gpus=e.gpus,
+                        service=e.service,
+                        quota=e.quota,
+                        tokens=e.tokens,
                     )
                     await self.bus.publish(
                         subjects.node(e.node_id), cmd, traceparent=e.action.traceparent
@@ -247,9 +311,14 @@ class Scheduler(Service):
             case DropEnvOnNode():
                 drop = DropEnv(trajectory_id=e.trajectory_id, epoch=self.epoch)
                 await self.bus.publish(subjects.node(e.node_id), drop)
+            case PrepareOnNode():
+                prepare = Prepare(services=e.services, epoch=self.epoch)
+                await self.bus.publish(subjects.node(e.node_id), prepare)
 
     def _still_assigned(self, e: StartOnNode) -> bool:
         """While its record committed, the attempt may have been redone or its node lost."""
+        if self.quotas.owns(e.action.spec.action_id):
+            return self.quotas.still_assigned(e.action.spec.action_id, e.node_id, e.action.attempt)
         run = self.core.running.get(e.action.spec.action_id)
         return (
             run is not None and run.node_id == e.node_id and run.action.attempt == e.action.attempt
@@ -270,14 +339,37 @@ class Scheduler(Service):
         while True:
             await self._dirty.wait()
             self._dirty.clear()
-            await self.apply(self.core.schedule(self.clock()))
+            now = self.clock()
+            await self.apply(self.core.schedule(now) + self.quotas.schedule(now))
+            self._log_waits()
             await asyncio.sleep(0)  # let a burst of arrivals join the next pass
+
+    def _log_waits(self) -> None:
+        """Say once per action why it cannot be placed (memory, cores): never a silent wait."""
+        for aid, why in self.core.waits.items():
+            if self._waits_logged.get(aid) != why:
+                log.warning("action %s cannot be placed: %s", aid, why)
+        self._waits_logged = dict(self.core.waits)
 
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.tick_s)
-            await self.apply(self.core.tick(self.clock()))
+            now = self.clock()
+            await self.apply(self.core.tick(now) + self.quotas.tick(now))
             self._dirty.set()
+
+    async def _quota_timer(self) -> None:
+        """Wake the decide loop when a rate window lets a waiting quota call go (between
+        ticks: a per-second quota is not held to the tick's pace)."""
+        while True:
+            now = self.clock()
+            at = self.quotas.next_at(now)
+            await asyncio.sleep(self.cfg.tick_s if at is None else min(self.cfg.tick_s, at - now))
+            if at is not None and self.clock() >= at:
+                self._dirty.set()
+
+    def _known(self, action_id: str) -> bool:
+        return self.core.known(action_id) or self.quotas.known(action_id)
 
     async def _load_stale(self) -> list[store.OpenAction]:
         return await store.load_open(self.pool, older_than=self.clock() - self.cfg.sweep_s)
@@ -287,9 +379,9 @@ class Scheduler(Service):
         while True:
             await asyncio.sleep(self.cfg.sweep_s)
             rows = await db.retrying(self._load_stale, what="sweep")
-            fresh = [r for r in rows if not self.core.known(r.action.spec.action_id)]
+            fresh = [r for r in rows if not self._known(r.action.spec.action_id)]
             for row in fresh:
-                self.core.enqueue(row.action, self.clock())
+                self._enqueue(row.action, self.clock())
             if fresh:
                 log.info("sweep picked up %d queued actions", len(fresh))
                 self._dirty.set()

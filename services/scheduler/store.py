@@ -73,7 +73,7 @@ def _started_columns(rows: Sequence[Started]) -> list[list[object]]:
         [r.effect.action.attempt for r in rows],
         [r.effect.node_id for r in rows],
         [r.effect.incarnation for r in rows],
-        ["{" + ",".join(map(str, r.effect.cores)) + "}" for r in rows],
+        ["{" + ",".join(map(str, r.effect.units)) + "}" for r in rows],  # cores or GPUs
         [r.at for r in rows],
     ]
 

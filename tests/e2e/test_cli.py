@@ -43,6 +43,8 @@ def test_demo_runs_a_rollout_and_reports_completion_times(tmp_path: Path):
     for word in ("queue", "execution", "overhead", "p50", "p99"):
         assert word in out.stdout
     assert "0 infrastructure failures" in out.stdout
+    assert "ran on the process backend" in out.stdout  # issue 10, item 9
+    assert not (tmp_path / "mesh.json").exists()
 
 
 @pytest.mark.slow

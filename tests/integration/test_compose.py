@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 COMPOSE = Path(__file__).parents[2] / "compose" / "docker-compose.yml"
-TANGRAM_SERVICES = ("gateway", "scheduler", "cpu_manager")
+TANGRAM_SERVICES = ("gateway", "scheduler", "cpu_manager", "quota_manager", "gpu_manager")
 MINIMAL = """\
 services:
   nats:
@@ -101,10 +101,34 @@ def test_tangram_service_wiring(services: dict[str, Any], name: str):
     assert env["TANGRAM_POSTGRES_DSN"].startswith("postgresql://")
 
 
-def test_cpu_manager_can_reach_the_docker_engine(services: dict[str, Any]):
+def test_cpu_manager_runs_docker_with_the_sandbox_image_built_first(services: dict[str, Any]):
+    """Never the unisolated process backend inside its container: docker, with the sandbox
+    image the one-shot sandbox-image target builds before it starts."""
     cpu = services["cpu_manager"]
-    assert cpu["environment"]["TANGRAM_CPU_BACKEND"] == "auto"
+    assert cpu["environment"]["TANGRAM_CPU_BACKEND"] == "docker"
     assert any("/var/run/docker.sock:/var/run/docker.sock" in str(v) for v in cpu["volumes"])
+    built = services["sandbox-image"]
+    assert built["command"] == ["tangram", "sandbox-image"]
+    assert any("/var/run/docker.sock:/var/run/docker.sock" in str(v) for v in built["volumes"])
+    assert cpu["depends_on"]["sandbox-image"]["condition"] == "service_completed_successfully"
+    dockerfile = (COMPOSE.parent / "Dockerfile").read_text()
+    assert "ENV TANGRAM_IN_CONTAINER=1" in dockerfile  # choice.py: no fallback in a container
+
+
+def test_the_scheduler_runs_the_elastic_policy_the_readme_describes(services: dict[str, Any]):
+    assert services["scheduler"]["environment"]["TANGRAM_SCHEDULER_POLICY"] == "elastic"
+
+
+@pytest.mark.parametrize("name", ["gateway", "scheduler", "cpu_manager"])
+def test_each_service_is_probed_itself_not_just_nats(services: dict[str, Any], name: str):
+    assert services[name]["healthcheck"]["test"] == ["CMD", "tangram", "health", name]
+
+
+def test_the_build_context_leaves_out_the_venv():
+    ignore = (COMPOSE.parents[1] / ".dockerignore").read_text().splitlines()
+    assert ignore[ignore.index("*") :][:1] == ["*"]  # everything out by default ...
+    assert {"!libs/", "!services/", "!pyproject.toml", "!README.md"} <= set(ignore)
+    assert not any(line.startswith("!.venv") for line in ignore)  # ... the venv above all
 
 
 @pytest.mark.parametrize(

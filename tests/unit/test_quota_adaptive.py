@@ -7,9 +7,15 @@ import email.utils
 
 import pytest
 
-from services.quota_manager.adaptive import Aimd, AimdConfig, Hints, parse_delay, parse_hints
-from services.quota_manager.limiter import Limiter, WaitUntil
-from services.quota_manager.sim import Provider, closed_loop
+from services.scheduler.policies.quota_adaptive import (
+    Aimd,
+    AimdConfig,
+    Hints,
+    parse_delay,
+    parse_hints,
+)
+from services.scheduler.policies.quota_limiter import Limiter, WaitUntil
+from services.scheduler.sim.deepsearch import Provider, closed_loop
 from tangram.contract import QuotaSpec
 
 WALL = 1_700_000_000.0

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from bench.deepsearch import DEFINITIONS, main, sweep
-from services.quota_manager.sim import POLICIES, Workload
+from services.scheduler.sim.deepsearch import POLICIES, Workload
 
 ROW = {
     "calls_429",

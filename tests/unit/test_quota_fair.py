@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.quota_manager.fair import FairQueue, jain_index, weighted_jain
+from services.scheduler.policies.quota_fair import FairQueue, jain_index, weighted_jain
 
 
 def test_jain_index_bounds() -> None:

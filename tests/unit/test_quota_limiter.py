@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.quota_manager.limiter import Grant, Limiter, WaitUntil
+from services.scheduler.policies.quota_limiter import Grant, Limiter, WaitUntil
 from tangram.contract import QuotaSpec
 from tangram.errors import InvalidRequest
 

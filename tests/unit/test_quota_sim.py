@@ -3,7 +3,7 @@ trajectory; per-process limiters and blind retries see 429s and fail trajectorie
 
 from __future__ import annotations
 
-from services.quota_manager.sim import Provider, Workload, compare
+from services.scheduler.sim.deepsearch import Provider, Workload, compare
 
 
 def test_provider_counts_accepted_calls_in_a_sliding_window() -> None:

@@ -102,8 +102,8 @@ def test_env_memory_is_reserved_for_the_trajectory_and_released_on_close():
     core.enqueue(action("b", "t2", mem=200), 0.0)
     (run,) = starts(core.schedule(0.0))
     assert run.action.spec.trajectory_id == "t1"
-    core.complete(done(run, "n0", "i0", 1), 1.0)
-    assert starts(core.schedule(1.0)) == []  # t1 still holds its memory while idle
+    assert starts(core.schedule(1.0)) == []  # t1 holds its memory while it runs
+    assert "waiting for memory" in core.waits["b"]
     effects = core.close_env("t1", 2.0)
     assert DropEnvOnNode("n0", "t1") in effects
     assert any(isinstance(e, EnvChanged) and e.status == "closed" for e in effects)

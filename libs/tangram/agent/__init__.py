@@ -10,7 +10,7 @@ kind of node agent (CPU today; GPU and quota next).
 
 from tangram.agent.core import AgentConfig, AgentCore, with_kill_reason
 from tangram.agent.fit import COMPLETION_BUDGET, fit_completion
-from tangram.agent.shell import Agent, Executor
+from tangram.agent.shell import Agent, Executor, Prepares, Reports
 
 __all__ = [
     "COMPLETION_BUDGET",
@@ -18,6 +18,8 @@ __all__ = [
     "AgentConfig",
     "AgentCore",
     "Executor",
+    "Prepares",
+    "Reports",
     "fit_completion",
     "with_kill_reason",
 ]

@@ -45,6 +45,7 @@ from tangram.contract import (
     Progress,
     Reconcile,
     RunningAction,
+    ServiceSpec,
 )
 from tangram.errors import InvalidRequest
 
@@ -109,7 +110,14 @@ class Announce:
     msg: NodeLeaving
 
 
-Effect = Run | Stop | Drop | Publish | Deliver | Announce
+@dataclass(frozen=True, slots=True)
+class PrepareServices:
+    """Prepare model services on the executor (it reports them in later heartbeats)."""
+
+    services: tuple[ServiceSpec, ...]
+
+
+Effect = Run | Stop | Drop | Publish | Deliver | Announce | PrepareServices
 
 
 class Phase(enum.Enum):
@@ -146,8 +154,9 @@ def with_kill_reason(outcome: Outcome, reason: ErrorKind | None) -> Outcome:
 class AgentCore:
     """One agent incarnation's bookkeeping; every decision returns effects."""
 
-    def __init__(self, cfg: AgentConfig) -> None:
+    def __init__(self, cfg: AgentConfig, *, prepares: bool = False) -> None:
         self.cfg = cfg
+        self.prepares = prepares  # the executor prepares model services (a GPU node)
         self.phase = Phase.NEW
         self.inventory = Inventory(numa=(), memory_mb=0, backend="", isolates=False)
         self.epoch = 0
@@ -228,8 +237,10 @@ class AgentCore:
                 return self._drop(tid)
             case Reconcile():
                 return self.heartbeat(envs, now) + self._deliver_all(now)
-            case Prepare():
-                raise InvalidRequest("this agent prepares no model services")
+            case Prepare(services=services):
+                if not self.prepares:
+                    raise InvalidRequest("this agent prepares no model services")
+                return [PrepareServices(services)]
 
     def _dispatch(self, d: Dispatch, now: float) -> list[Effect]:
         inc = d.incarnation
@@ -246,7 +257,10 @@ class AgentCore:
             self.refused_overlaps += 1
             raise InvalidRequest(f"dispatch of {aid} overlaps busy cores {sorted(overlap)}")
         self.busy |= set(d.cores)
-        self.active[aid] = _Active(d.action.attempt, d.action.spec.trajectory_id, d.cores)
+        # Reported back as the action's units: its cores, or its GPUs (whose one-at-a-time
+        # use the GPU executor enforces, batching calls to one resident service).
+        units = d.cores or d.gpus
+        self.active[aid] = _Active(d.action.attempt, d.action.spec.trajectory_id, units)
         self._progressed(now, started=1)
         return [Run(d)]
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
+import msgspec
 from nats.aio.msg import Msg
 
 from tangram import subjects
@@ -25,6 +26,7 @@ from tangram.agent.core import (
     Deliver,
     Drop,
     Effect,
+    PrepareServices,
     Publish,
     Run,
     Stop,
@@ -34,11 +36,15 @@ from tangram.contract import (
     Ack,
     Completion,
     Dispatch,
+    EnvExpired,
     ErrorKind,
     Inventory,
     NodeCommand,
     NodeLeaving,
+    NodeReport,
     Outcome,
+    PreparedService,
+    ServiceSpec,
 )
 from tangram.errors import InvalidRequest, TangramError
 from tangram.runtime import Service
@@ -70,6 +76,24 @@ class Executor(Protocol):
         """Live environments: trajectory_id -> last use, on the agent's clock."""
 
 
+@runtime_checkable
+class Prepares(Protocol):
+    """An executor that prepares model services on ``Prepare`` (a GPU node); without this
+    hook the agent refuses ``Prepare``."""
+
+    async def prepare(self, services: Sequence[ServiceSpec]) -> None:
+        """Build what is new or changed (never on the event loop); a failure is reported in
+        :meth:`Reports.services`, never raised."""
+
+
+@runtime_checkable
+class Reports(Protocol):
+    """An executor whose prepared services go into every heartbeat."""
+
+    def services(self) -> tuple[PreparedService, ...]:
+        """Every prepared service (ready or failed) and where it is resident now."""
+
+
 class Agent(Service):
     """A node agent: registers, heartbeats, runs dispatches, reports until acked, leaves."""
 
@@ -88,9 +112,13 @@ class Agent(Service):
         self.executor = executor
         self.cfg = cfg
         self.clock = clock
-        self.core = AgentCore(cfg)
+        # The optional hooks of a GPU node's executor (see Prepares, Reports).
+        self._preparer = executor if isinstance(executor, Prepares) else None
+        self._reports = executor if isinstance(executor, Reports) else None
+        self.core = AgentCore(cfg, prepares=self._preparer is not None)
         self._runs: set[asyncio.Task[None]] = set()
         self._sends: set[asyncio.Task[None]] = set()
+        self._prepares: set[asyncio.Task[None]] = set()
 
     @property
     def node_id(self) -> str:
@@ -121,6 +149,7 @@ class Agent(Service):
         await self._apply(self.core.kill_all(ErrorKind.NODE_DIED))
         await _wait(self._runs, self.cfg.kill_wait_s)
         await self._cancel_tasks()
+        await _wait(self._prepares, 0.0, cancel=True)
         await self._apply(self.core.flush(self.clock()))
         await _wait(self._sends, self.cfg.flush_s, cancel=True)
         envs = tuple(self.executor.envs())
@@ -152,11 +181,25 @@ class Agent(Service):
                     await self.executor.drop_env(tid)
                 case Publish(msg=m):
                     if self.core.may_send(m):
-                        await self.bus.publish(subjects.SCHED_NODES, m)
+                        await self.bus.publish(subjects.SCHED_NODES, self._with_services(m))
                 case Deliver(completion=c):
                     self._own(self._deliver(c), self._sends)
                 case Announce(msg=m):
                     await self._announce(m)
+                case PrepareServices(services=specs):
+                    self._own(self._prepare(specs), self._prepares)
+
+    def _with_services(self, m: NodeReport | EnvExpired) -> NodeReport | EnvExpired:
+        """A report carries the executor's prepared services (a GPU node)."""
+        if isinstance(m, NodeReport) and self._reports is not None:
+            return msgspec.structs.replace(m, services=self._reports.services())
+        return m
+
+    async def _prepare(self, specs: tuple[ServiceSpec, ...]) -> None:
+        """Prepare on the executor, then report at once: the scheduler waits for it."""
+        if self._preparer is not None:  # else the core refused the command
+            await self._preparer.prepare(specs)
+            await self._heartbeat()
 
     async def _run(self, d: Dispatch) -> None:
         aid = d.action.spec.action_id

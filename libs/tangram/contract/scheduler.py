@@ -97,6 +97,36 @@ SchedulerRequest = (
 )
 
 
+class NodeRow(_Msg):
+    """One node in a status reply: cores and memory, and how much of each is unbooked."""
+
+    node_id: str
+    cores: int
+    free_cores: int
+    memory_mb: int
+    free_memory_mb: int
+    envs: int
+    draining: bool = False
+
+
+class QueuedRow(_Msg):
+    """One queued action in a status reply; ``reason`` says what it waits for, when known."""
+
+    action_id: str
+    trajectory_id: str
+    cpus: int
+    waited_s: float
+    reason: str = ""
+
+
+class RunningRow(_Msg):
+    action_id: str
+    trajectory_id: str
+    node_id: str
+    cores: int
+    running_s: float
+
+
 class SchedulerStatus(_Msg, tag="scheduler_status"):
     epoch: int
     policy: str
@@ -105,3 +135,7 @@ class SchedulerStatus(_Msg, tag="scheduler_status"):
     nodes: int
     envs: int
     free_cores: int
+    # the tables `tangram status` prints (the queue's head and the running actions, bounded)
+    node_rows: list[NodeRow] = []
+    queue_rows: list[QueuedRow] = []
+    running_rows: list[RunningRow] = []

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tangram.contract import UnifiedAction
+from tangram.contract import PreparedService, UnifiedAction
 
 
 @dataclass
@@ -17,10 +17,26 @@ class Node:
     last_seen: float
     reserved_mb: int = 0
     draining: bool = False  # shutting down: what runs finishes, nothing new starts
+    kind: str = "cpu"  # "gpu": ``free`` holds GPU indices and ``gpu`` its GPU facts
+    gpu: GpuFacts | None = None
 
     @property
     def capacity(self) -> int:
         return sum(len(c) for c in self.numa.values())
+
+
+@dataclass
+class GpuFacts:
+    """What a GPU node offers besides free GPU indices: the devices in chunk order, those not
+    to grant (``down``: reported lost, or ``absent`` from its latest inventory), its restore
+    bandwidth, and its latest services report keyed by (service, dop)."""
+
+    gpus: tuple[int, ...]
+    restore_gb_per_s: float
+    down: set[int] = field(default_factory=set)
+    absent: set[int] = field(default_factory=set)
+    services: dict[tuple[str, int], PreparedService] = field(default_factory=dict)
+    asked: dict[str, float] = field(default_factory=dict)  # service -> when Prepare was sent
 
 
 @dataclass
@@ -32,6 +48,7 @@ class EnvPlacement:
     node_id: str
     incarnation: str
     memory_mb: int
+    last_used: float = 0.0  # when an action last started in it (restored: 0, the oldest)
 
 
 @dataclass

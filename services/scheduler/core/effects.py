@@ -13,6 +13,9 @@ from tangram.contract import (
     Allocation,
     ErrorKind,
     Outcome,
+    QuotaSpec,
+    ServiceSpec,
+    ServiceState,
     Timings,
     UnifiedAction,
 )
@@ -20,12 +23,22 @@ from tangram.contract import (
 
 @dataclass(frozen=True, slots=True)
 class StartOnNode:
-    """Send the action to a node agent with exactly these cores (attempt already bumped)."""
+    """Send the action to a node agent with exactly these cores (attempt already bumped); an
+    infer action gets ``gpus`` (one buddy chunk) and the ``service`` variant to run there."""
 
     node_id: str
     action: UnifiedAction
     cores: tuple[int, ...]
     incarnation: str
+    gpus: tuple[int, ...] = ()
+    service: ServiceSpec | None = None
+    quota: QuotaSpec | None = None  # an http call: its quota (hosts, key name) ...
+    tokens: int = 0  # ... and the tokens reserved for it
+
+    @property
+    def units(self) -> tuple[int, ...]:
+        """What the grant books on its node: cores, or GPU indices."""
+        return self.gpus or self.cores
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +75,27 @@ class EnvChanged:
     reason: str = ""
 
 
-Effect = StartOnNode | Finish | KillOnNode | DropEnvOnNode | EnvChanged
+@dataclass(frozen=True, slots=True)
+class PrepareOnNode:
+    """Ask a GPU node agent to prepare these services (build, host copy, measure)."""
+
+    node_id: str
+    services: tuple[ServiceSpec, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSettled:
+    """A registration's wait is over: every GPU node it waited on reported the service (or
+    left, or the wait ran out). ``error`` says why no node could prepare it, if none could."""
+
+    name: str
+    state: ServiceState
+    error: str = ""
+
+
+Effect = (
+    StartOnNode | Finish | KillOnNode | DropEnvOnNode | EnvChanged | PrepareOnNode | ServiceSettled
+)
 
 
 def verdict(
@@ -104,7 +137,7 @@ def completed(
     finished = outcome.finished_at if outcome.finished_at is not None else now
     exec_s = max(0.0, finished - started)
     total = max(0.0, now - action.submitted_at)
-    error = error_of(outcome)
+    error = None if _answered(action, outcome) else error_of(outcome)
     return ActionResult(
         action_id=action.spec.action_id,
         status=status_of(error),
@@ -122,21 +155,30 @@ def completed(
             queue_s=max(0.0, started - action.submitted_at),
             exec_s=exec_s,
             overhead_s=max(0.0, total - exec_s),
+            restore_s=outcome.restore_s,
         ),
         attempt=action.attempt,
         job_id=action.spec.job_id,
         trajectory_id=action.spec.trajectory_id,
+        output=outcome.output,
+        http=outcome.http,
     )
+
+
+def _answered(action: UnifiedAction, outcome: Outcome) -> bool:
+    """An infer call has no exit code: with no failure, its handler answered."""
+    return action.key_resource == "gpu" and outcome.failure is None and not outcome.exit_code
 
 
 def error_of(outcome: Outcome) -> ActionError | None:
     """The infrastructure failure or kill, else the command's own non-zero exit, else none."""
     if outcome.failure is not None:
         return ActionError(kind=outcome.failure, message=outcome.detail)
+    if outcome.http is not None:
+        return None  # an http call has no exit code: a response received is its success
     if outcome.exit_code != 0:
-        return ActionError(
-            kind=ErrorKind.COMMAND_FAILED, message=f"exited with status {outcome.exit_code}"
-        )
+        why = outcome.detail or f"exited with status {outcome.exit_code}"
+        return ActionError(kind=ErrorKind.COMMAND_FAILED, message=why)
     return None
 
 

@@ -26,6 +26,7 @@ import msgspec
 
 from services.scheduler.core import views
 from services.scheduler.core.books import Dispatched, EnvPlacement, Node
+from services.scheduler.core.capacity import impossible, reclaim_plan
 from services.scheduler.core.effects import (
     DropEnvOnNode,
     Effect,
@@ -36,6 +37,7 @@ from services.scheduler.core.effects import (
     completed,
     verdict,
 )
+from services.scheduler.core.gpu_sched import GPU, GpuOrder, GpuScheduler, new_facts
 from services.scheduler.core.placement import pick_cores
 from services.scheduler.policies.base import Learns, MinPolicy, PerPool, Policy, Waiting
 from tangram.contract import (
@@ -47,6 +49,8 @@ from tangram.contract import (
     NodeLeaving,
     NodeReport,
     RunningAction,
+    ServiceSpec,
+    ServiceState,
     UnifiedAction,
 )
 
@@ -64,6 +68,12 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # how long a cancelled running action may wait for its node's confirmation before it ends
     kill_grace_s: PositiveFloat = 5.0
     lookahead: NonNegInt = 64  # waiting actions per pool shown to the policy past the block
+    gpu_order: GpuOrder = "fcfs"  # infer actions' candidate order: fcfs or hrrs (plexrl Alg. 1)
+    prepare_timeout_s: PositiveFloat = 120.0  # a registration waits this long for GPU nodes
+    prepare_retry_s: PositiveFloat = 10.0  # re-ask a GPU node that reports a service missing
+    # the longest an action that sets no ``queue_timeout_s`` waits before ``queue_timeout``
+    # (None: no bound; the simulator's, whose virtual queues are the thing measured)
+    queue_timeout_s: PositiveFloat | None = 1800.0
 
 
 @dataclass
@@ -90,6 +100,7 @@ class SchedulerCore:
         self.nodes: dict[str, Node] = {}
         self.envs: dict[str, EnvPlacement] = {}
         self.gone_envs: dict[str, str] = {}  # trajectory -> why its environment is gone
+        self.waits: dict[str, str] = {}  # queued action -> why it cannot be placed (status, log)
         self.queue: dict[str, UnifiedAction] = {}  # FCFS by insertion
         self.running: dict[str, Dispatched] = {}
         # cancelled actions ended at their kill deadline whose cores the node may still use
@@ -104,6 +115,8 @@ class SchedulerCore:
         self._per_pool = self.policy if isinstance(self.policy, PerPool) else None
         # A policy that only admits what fits at minimum needs no view past the block.
         self._lookahead = self.cfg.lookahead if self.policy.lookahead else 0
+        c = self.cfg
+        self.gpu = GpuScheduler(self, c.gpu_order, c.prepare_timeout_s, c.prepare_retry_s)
 
     # ------------------------------------------------------------------ intake
 
@@ -133,6 +146,16 @@ class SchedulerCore:
     def restore_env(self, env: EnvPlacement) -> None:
         self.envs[env.trajectory_id] = env
 
+    def register_service(self, spec: ServiceSpec, now: float) -> list[Effect]:
+        """Register (or update) a model service; ``ServiceSettled`` answers it later."""
+        return self.gpu.register(spec, now)
+
+    def restore_services(self, specs: list[ServiceSpec]) -> None:
+        self.gpu.restore(specs)
+
+    def service_states(self) -> tuple[ServiceState, ...]:
+        return self.gpu.states()
+
     def hold_until(self, t: float) -> None:
         """Make no decisions before ``t`` (node agents are reporting after a restart)."""
         self.not_before = t
@@ -158,10 +181,19 @@ class SchedulerCore:
             node = self._add_node(report, now)
             effects += self._drop_stale(node, now)
         node.last_seen = now
-        return effects + self._reconcile(node, report, now)
+        effects += self._reconcile(node, report, now)
+        if node.gpu is not None:
+            effects += self.gpu.on_report(node, report, now)
+        return effects
 
     def _add_node(self, report: NodeReport, now: float) -> Node:
         inv: Inventory = report.inventory
+        if inv.kind == GPU:  # its units are GPU indices, its facts kept beside them
+            facts = new_facts(inv)
+            node = Node(report.node_id, report.incarnation, {}, 0, set(facts.gpus), now)
+            node.kind, node.gpu = GPU, facts
+            self.nodes[node.node_id] = node
+            return node
         numa = {n.numa_node: tuple(n.cores) for n in inv.numa}
         all_cores = {c for cs in numa.values() for c in cs}
         node = Node(report.node_id, report.incarnation, numa, inv.memory_mb, all_cores, now)
@@ -192,7 +224,7 @@ class SchedulerCore:
             ErrorKind.NODE_DIED,
             f"node {run.node_id} died: {why}",
             now=now,
-            allocation=Allocation(node_id=run.node_id, cores=run.cores),
+            allocation=_allocation(run),
             started_at=run.started_at,
         )
 
@@ -268,6 +300,8 @@ class SchedulerCore:
         for env in list(self.envs.values()):
             if env.node_id == node.node_id:
                 effects.append(self._end_env(env, "lost", f"node {node.node_id} died: {why}"))
+        if node.gpu is not None:
+            effects += self.gpu.node_gone(node.node_id, now)
         return effects
 
     def node_leaving(self, leaving: NodeLeaving, now: float) -> list[Effect]:
@@ -349,11 +383,23 @@ class SchedulerCore:
             return []
         del self.running[c.action_id]
         self._free(run)
-        allocation = Allocation(node_id=c.node_id, cores=run.cores)
-        result = completed(run.action, c.outcome, allocation, now=now)
-        if self._learns is not None and result.status == "succeeded" and result.timings:
-            self._learns.observe(run.action.spec.profile, len(run.cores), result.timings.exec_s)
+        self._touch(run.action.spec.trajectory_id, now)
+        gpu_run = run.action.key_resource == GPU
+        if gpu_run and c.outcome.failure is not None and self.gpu.on_failure(run, c, now):
+            return []  # retried on a larger chunk
+        result = completed(run.action, c.outcome, _allocation(run), now=now)
+        if result.status == "succeeded" and result.timings:
+            t = result.timings
+            if gpu_run:
+                self.gpu.learn(run, t.exec_s, t.restore_s)
+            elif self._learns is not None:
+                self._learns.observe(run.action.spec.profile, len(run.cores), t.exec_s)
         return self._finish(run.action, result)
+
+    def _touch(self, trajectory_id: str, now: float) -> None:
+        env = self.envs.get(trajectory_id)
+        if env is not None:
+            env.last_used = now
 
     def _free(self, run: Dispatched) -> None:
         """Give the cores back, unless the node they were booked on is gone or replaced."""
@@ -361,8 +407,14 @@ class SchedulerCore:
         if node is not None and node.incarnation == run.incarnation:
             node.free |= set(run.cores)
 
+    def finish(self, action: UnifiedAction, result: ActionResult) -> list[Effect]:
+        """End an action no longer queued or running with ``result``."""
+        return self._finish(action, result)
+
     def _finish(self, action: UnifiedAction, result: ActionResult) -> list[Effect]:
         self._views.pop(action.spec.action_id, None)
+        self.gpu.forget(action.spec.action_id)
+        self.waits.pop(action.spec.action_id, None)
         self.recent[action.spec.action_id] = None
         if len(self.recent) > RECENT_LIMIT:
             del self.recent[next(iter(self.recent))]
@@ -408,7 +460,7 @@ class SchedulerCore:
         for node in [n for n in self.nodes.values() if now - n.last_seen > self.cfg.node_timeout_s]:
             effects += self._node_lost(node, now, "no heartbeat")
         for aid, act in list(self.queue.items()):
-            limit = act.spec.queue_timeout_s
+            limit = act.spec.queue_timeout_s or self.cfg.queue_timeout_s
             if limit is not None and now - act.submitted_at > limit:
                 del self.queue[aid]
                 effects += self._finish(
@@ -416,13 +468,13 @@ class SchedulerCore:
                     verdict(
                         act,
                         ErrorKind.QUEUE_TIMEOUT,
-                        f"waited more than {limit}s in the queue",
+                        f"waited more than {limit}s in the queue" + _because(self.waits.get(aid)),
                         now=now,
                     ),
                 )
         if now >= self.not_before + self.cfg.node_timeout_s:
             effects += self._fail_orphans(now)
-        return effects + self._end_unconfirmed_kills(now)
+        return effects + self._end_unconfirmed_kills(now) + self.gpu.settle(now)
 
     def _end_unconfirmed_kills(self, now: float) -> list[Effect]:
         """Cancelled actions whose node did not confirm the kill in time end ``cancelled``;
@@ -442,7 +494,7 @@ class SchedulerCore:
                     ErrorKind.CANCELLED,
                     why,
                     now=now,
-                    allocation=Allocation(node_id=run.node_id, cores=run.cores),
+                    allocation=_allocation(run),
                     started_at=run.started_at,
                 ),
             )
@@ -474,29 +526,47 @@ class SchedulerCore:
         if now < self.not_before or not self.queue:
             return []
         p = _Pass()
-        effects: list[Effect] = []
+        effects: list[Effect] = self.gpu.schedule(now)
+        cpu_nodes = sum(1 for n in self.nodes.values() if n.gpu is None)
         for act in list(self.queue.values()):
+            if act.key_resource == GPU:
+                continue  # granted by ``self.gpu``
             tid = act.spec.trajectory_id
             node_id = self._node_of(tid, p)
             if node_id is None and tid in self.gone_envs:
-                del self.queue[act.spec.action_id]
-                effects += self._finish(
-                    act, verdict(act, ErrorKind.ENVIRONMENT_LOST, self.gone_envs[tid], now=now)
-                )
+                effects += self._report_lost(act, now)
                 continue
+            if self._could_not_fit(act, node_id):
+                impossible = self._reject_impossible(act, node_id, now)
+                if impossible:
+                    effects += impossible
+                    continue
             if node_id is None:
                 if p.unplaced_blocked:
                     continue
-                node_id = self._place(act, p)
+                node_id, reclaimed = self._place_new(act, p)
+                effects += reclaimed
                 if node_id is None:
-                    effects += self._block_unplaced(act, p, now)
                     continue
             self._offer(p, node_id, act)
-            if len(p.full) == len(self.nodes):
+            if len(p.full) == cpu_nodes:
                 break  # every pool is blocked with its lookahead filled: nothing later can start
         for node_id, waiting in p.waiting.items():
             effects += self._admit(self.nodes[node_id], waiting, now)
         return effects
+
+    def _report_lost(self, act: UnifiedAction, now: float) -> list[Effect]:
+        """The trajectory's first action after its environment was lost says so, once; the
+        loss is recorded as reported (a restart does not report it again), and the
+        trajectory's next action gets a fresh environment."""
+        tid = act.spec.trajectory_id
+        why = self.gone_envs.pop(tid)
+        del self.queue[act.spec.action_id]
+        reported = EnvChanged(tid, act.spec.job_id, "", "", 0, "closed", f"loss reported: {why}")
+        return [
+            reported,
+            *self._finish(act, verdict(act, ErrorKind.ENVIRONMENT_LOST, why, now=now)),
+        ]
 
     def _node_of(self, tid: str, p: _Pass) -> str | None:
         env = self.envs.get(tid)
@@ -526,6 +596,8 @@ class SchedulerCore:
         for node in self.nodes.values():
             if node.node_id in p.blocked or node.node_id in p.reserved or node.draining:
                 continue
+            if node.gpu is not None:
+                continue
             free_cores = len(node.free) - p.need.get(node.node_id, 0)
             free_mem = node.memory_mb - node.reserved_mb - p.placed_mb.get(node.node_id, 0)
             if free_cores < act.demands[0].min or free_mem < act.env_memory_mb:
@@ -541,40 +613,50 @@ class SchedulerCore:
         p.placed_mb[node_id] = p.placed_mb.get(node_id, 0) + act.env_memory_mb
         return node_id
 
-    def _block_unplaced(self, act: UnifiedAction, p: _Pass, now: float) -> list[Effect]:
+    def _place_new(self, act: UnifiedAction, p: _Pass) -> tuple[str | None, list[Effect]]:
+        """Place a new trajectory's environment, reclaiming idle environments' memory if
+        that is what stops it; else block behind it, saying why it waits."""
+        node_id = self._place(act, p)
+        reclaimed: list[Effect] = []
+        if node_id is None:
+            reclaimed = self._reclaim_memory(act, p)
+            node_id = self._place(act, p) if reclaimed else None
+        if node_id is None:
+            self.waits[act.spec.action_id] = self._wait_reason(act, p)
+            self._block_unplaced(act, p)
+        return node_id, reclaimed
+
+    def _block_unplaced(self, act: UnifiedAction, p: _Pass) -> None:
         """The first new trajectory that fits nowhere reserves the emptiest node that could hold
         it, so that later actions cannot starve it; later new trajectories wait behind it."""
-        impossible = self._reject_impossible(act, now)
-        if impossible:
-            return impossible
         p.unplaced_blocked = True
         room = [
             (len(n.free) - p.need.get(n.node_id, 0), n.node_id)
             for n in self.nodes.values()
-            if n.memory_mb - n.reserved_mb - p.placed_mb.get(n.node_id, 0) >= act.env_memory_mb
+            if n.gpu is None
+            and n.memory_mb - n.reserved_mb - p.placed_mb.get(n.node_id, 0) >= act.env_memory_mb
         ]
         if room:
             p.reserved.add(max(room)[1])
-        return []
 
-    def _reject_impossible(self, act: UnifiedAction, now: float) -> list[Effect]:
-        """An action no node could ever hold fails now instead of blocking the queue forever."""
-        if not self.nodes:
-            return []
-        most_cores = max(n.capacity for n in self.nodes.values())
-        most_mem = max(n.memory_mb for n in self.nodes.values())
-        if act.demands[0].min <= most_cores and act.env_memory_mb <= most_mem:
+    def _could_not_fit(self, act: UnifiedAction, node_id: str | None) -> bool:
+        """Cheap pre-check: the action may need more than its node (or any node) has."""
+        if node_id is not None:
+            return bool(act.demands[0].min > self.nodes[node_id].capacity)
+        return bool(self.nodes)
+
+    def _reject_impossible(
+        self, act: UnifiedAction, node_id: str | None, now: float
+    ) -> list[Effect]:
+        """An action no live node could ever hold fails now instead of blocking the queue
+        forever; so does one larger than the node its trajectory's environment lives on."""
+        cpu = [n for n in self.nodes.values() if n.gpu is None]
+        why = impossible(act, cpu, self.nodes.get(node_id or ""))
+        if why is None:
             return []
         del self.queue[act.spec.action_id]
-        return self._finish(
-            act,
-            verdict(
-                act,
-                ErrorKind.INVALID_REQUEST,
-                f"no node can hold it: the largest has {most_cores} cores and {most_mem} MiB",
-                now=now,
-            ),
-        )
+        self.waits.pop(act.spec.action_id, None)
+        return self._finish(act, verdict(act, ErrorKind.INVALID_REQUEST, why, now=now))
 
     def _admit(self, node: Node, acts: list[UnifiedAction], now: float) -> list[Effect]:
         waiting = [self._view(a) for a in acts]
@@ -639,12 +721,51 @@ class SchedulerCore:
         node.free -= set(cores)
         del self.queue[act.spec.action_id]
         self._views.pop(act.spec.action_id, None)
+        self.waits.pop(act.spec.action_id, None)
+        self.envs[tid].last_used = now
         act = msgspec.structs.replace(act, attempt=act.attempt + 1)
         self.running[act.spec.action_id] = Dispatched(
             act, node.node_id, node.incarnation, cores, now
         )
         effects.append(StartOnNode(node.node_id, act, cores, node.incarnation))
         return effects
+
+    def _reclaim_memory(self, act: UnifiedAction, p: _Pass) -> list[Effect]:
+        """Make room for a new environment by ending the oldest idle ones (no action queued
+        or running) on one node, until that node has the memory; their trajectories' next
+        action says ``environment_lost`` once."""
+        busy = {a.spec.trajectory_id for a in self.queue.values()}
+        busy |= {r.action.spec.trajectory_id for r in self.running.values()}
+        idle = [e for e in self.envs.values() if e.trajectory_id not in busy]
+        plan = reclaim_plan(act.env_memory_mb, idle, self._free_mb(p))
+        return [
+            effect
+            for env in plan
+            for effect in (
+                DropEnvOnNode(env.node_id, env.trajectory_id),
+                self._end_env(
+                    env, "lost", f"reclaimed idle under memory pressure on {env.node_id}"
+                ),
+            )
+        ]
+
+    def _free_mb(self, p: _Pass) -> dict[str, int]:
+        """Memory not booked on each usable node, this pass's placements included."""
+        return {
+            n.node_id: n.memory_mb - n.reserved_mb - p.placed_mb.get(n.node_id, 0)
+            for n in self.nodes.values()
+            if not n.draining and n.gpu is None
+        }
+
+    def _wait_reason(self, act: UnifiedAction, p: _Pass) -> str:
+        free = self._free_mb(p)
+        most = max(free.values(), default=0)
+        if most < act.env_memory_mb:
+            return (
+                f"waiting for memory: its environment needs {act.env_memory_mb} MiB, "
+                f"the most any node has unbooked is {most} MiB"
+            )
+        return f"waiting for {act.demands[0].min} free core(s)"
 
     def snapshot(self) -> dict[str, int]:
         """Counters for status lines and metrics."""
@@ -653,8 +774,19 @@ class SchedulerCore:
             "running": len(self.running),
             "nodes": len(self.nodes),
             "envs": len(self.envs),
-            "free_cores": sum(len(n.free) for n in self.nodes.values()),
+            "free_cores": sum(len(n.free) for n in self.nodes.values() if n.gpu is None),
         }
+
+
+def _because(reason: str | None) -> str:
+    return f" ({reason})" if reason else ""
+
+
+def _allocation(run: Dispatched) -> Allocation:
+    """Where it ran: its cores, or the GPUs of an infer action."""
+    if run.action.key_resource == GPU:
+        return Allocation(node_id=run.node_id, gpus=run.cores)
+    return Allocation(node_id=run.node_id, cores=run.cores)
 
 
 def _reports(c: Completion, run: Dispatched) -> bool:

@@ -5,17 +5,21 @@ The scheduler core hands a policy the pool's waiting actions in FCFS order, the 
 units, and what runs there; the policy returns the grants of the queue that start now.
 Policies are pure and deterministic: the live scheduler and the simulator call the same code.
 
-Every policy is a :class:`Policy`. Two optional hooks are declared here as small Protocols and
+Every policy is a :class:`Policy`. Optional hooks are declared here as small Protocols and
 checked once, when the core is built: :class:`Learns` (told each successful action's execution
-time) and :class:`PerPool` (keeps state per pool: one instance per node, told when a
-trajectory's environment there ends).
+time), :class:`PerPool` (keeps state per pool: one instance per node, told when a
+trajectory's environment there ends) and :class:`ArrangesChunks` (arranges GPU pools too;
+other policies give GPU actions their smallest DoP).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from services.scheduler.policies.durations import DurationLearner
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +33,8 @@ class Waiting:
     t_ori_s: float | None = None  # duration on one unit, when known (§4.1 Eq. 1)
     parallel_fraction: float | None = None  # Amdahl fraction p: E(m) = 1 / (m (1 - p) + p)
     trajectory_id: str = ""
+    # a setup cost per choice, added to its duration there (a GPU service's restore, §5.3)
+    setup_s: tuple[float, ...] = ()
 
     @property
     def min(self) -> int:
@@ -82,6 +88,23 @@ class Learns(Protocol):
     """A policy that learns durations: told the execution time of every action that succeeded."""
 
     def observe(self, profile: str, units: int, exec_s: float) -> None: ...
+
+
+@runtime_checkable
+class ArrangesChunks(Protocol):
+    """A policy that can arrange a GPU pool whose free units are buddy chunks (Algorithm 4),
+    and whose duration learner the GPU ordering may consult."""
+
+    @property
+    def learner(self) -> DurationLearner: ...
+
+    def arrange_chunks(
+        self,
+        waiting: Sequence[Waiting],
+        free_chunks: tuple[int, int, int, int],
+        running: Sequence[Running],
+        now: float,
+    ) -> list[int]: ...
 
 
 @runtime_checkable

@@ -22,11 +22,11 @@ import numpy as np
 import numpy.typing as npt
 
 from services.scheduler.policies import act_kernel
+from services.scheduler.policies.chunks import CHUNK_SIZES, chunk_level, take_chunk
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 INF = float("inf")
-CHUNK_SIZES = (1, 2, 4, 8)
 
 
 class DpOperator(Protocol):
@@ -78,25 +78,6 @@ def _shift(dp: FloatArray, k: int, dur: float) -> tuple[FloatArray, IntArray, In
 def _gather_index(n: int, choices: tuple[int, ...], kmax: int) -> IntArray:
     ks = np.asarray(choices, dtype=np.int64)
     return np.arange(n, dtype=np.int64)[None, :] - ks[:, None] + kmax
-
-
-def chunk_level(units: int) -> int:
-    """The level a of the chunk 2**a that serves ``units`` GPUs (2**(a-1) < units ≤ 2**a)."""
-    if not 1 <= units <= CHUNK_SIZES[-1]:
-        raise ValueError(f"a GPU request must be 1..{CHUNK_SIZES[-1]} units, got {units}")
-    return (units - 1).bit_length()
-
-
-def take_chunk(counts: tuple[int, ...], level: int) -> tuple[int, ...] | None:
-    """Free-chunk counts after taking a 2**level chunk by the smallest-fit buddy rule."""
-    for b in range(level, len(counts)):
-        if counts[b] > 0:
-            out = list(counts)
-            out[b] -= 1
-            for lv in range(level, b):  # splitting 2**b leaves one free buddy per lower level
-                out[lv] += 1
-            return tuple(out)
-    return None
 
 
 class ChunkOperator:

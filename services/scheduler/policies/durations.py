@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
+DEFAULT_DURATION_S = 1.0  # what an action nothing is known of is expected to take
 
 
 class DurationModel(Protocol):

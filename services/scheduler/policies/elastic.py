@@ -16,6 +16,7 @@ import numpy as np
 
 from services.scheduler.policies import act_kernel
 from services.scheduler.policies.base import Running, Waiting, clamp_choice, fits_at_min
+from services.scheduler.policies.chunks import fits_chunks_at_min
 from services.scheduler.policies.dparrange import (
     BasicOperator,
     ChunkOperator,
@@ -24,14 +25,18 @@ from services.scheduler.policies.dparrange import (
     IntArray,
     PrefixTable,
     Task,
-    chunk_level,
     greedy_applies,
     prefix_table,
-    take_chunk,
 )
-from services.scheduler.policies.durations import Amdahl, DurationLearner, DurationModel, resolve
+from services.scheduler.policies.durations import (
+    DEFAULT_DURATION_S,
+    Amdahl,
+    DurationLearner,
+    DurationModel,
+    resolve,
+)
 
-DEFAULT_DURATION_S = 1.0
+__all__ = ["DEFAULT_DURATION_S", "ElasticPolicy", "fits_chunks_at_min"]
 HINTED_ROWS = 65_536  # rows remembered per policy for queued actions with their own hints
 
 
@@ -82,13 +87,20 @@ def levels_for(top: int) -> tuple[int, ...]:
 
 
 def make_row(w: Waiting, learner: DurationLearner | None, default_s: float) -> Row:
-    """Durations over the allowed units; unknown elasticity collapses the choices to the min."""
+    """Durations over the allowed units; unknown elasticity collapses the choices to the min.
+    A setup cost per choice (``Waiting.setup_s``) is added to the duration there."""
     if w.t_ori_s is not None and w.parallel_fraction is not None:
-        return _model_row(w.choices, Amdahl(w.t_ori_s, w.parallel_fraction))
-    model = resolve(w.profile, w.t_ori_s, w.parallel_fraction, learner)
-    if model is None:
-        return _min_row(w.choices[0], default_s)
-    return _model_row(w.choices, model)
+        row = _model_row(w.choices, Amdahl(w.t_ori_s, w.parallel_fraction))
+    else:
+        model = resolve(w.profile, w.t_ori_s, w.parallel_fraction, learner)
+        row = _min_row(w.choices[0], default_s) if model is None else _model_row(w.choices, model)
+    return _with_setup(row, w) if w.setup_s else row
+
+
+def _with_setup(row: Row, w: Waiting) -> Row:
+    setup = dict(zip(w.choices, w.setup_s, strict=True))
+    extra = np.array([setup[u] for u in row.task.choices.tolist()], dtype=np.float64)
+    return Row(Task(row.task.choices, row.task.durations + extra), row.elastic)
 
 
 @lru_cache(maxsize=1024)
@@ -311,15 +323,3 @@ class ElasticPolicy:
         objective = Objective(rows, table, free, releases, now, self.depth)
         keep = 0 if running else 1
         return list(table.allocation(greedy_evict(objective, n, keep)))
-
-
-def fits_chunks_at_min(waiting: Sequence[Waiting], free_chunks: tuple[int, ...]) -> int:
-    """Longest FCFS prefix whose minimum GPU requests the buddy chunks can all hold."""
-    counts: tuple[int, ...] | None = free_chunks
-    n = 0
-    for w in waiting:
-        counts = take_chunk(counts, chunk_level(w.min)) if counts is not None else None
-        if counts is None:
-            break
-        n += 1
-    return n

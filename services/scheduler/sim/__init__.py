@@ -1,4 +1,5 @@
 """The discrete-event simulator: replays workload traces against the scheduler's own core and
 policies with a virtual clock (``simulator.py``), over generated or recorded traces
 (``traces.py``), with one engine per kind of pool (``engines.py``) and the Kubernetes baseline
-(``kube.py``, pods sharing cores)."""
+(``kube.py``, pods sharing cores); ``deepsearch.py`` compares quota policies on a simulated
+rate-limited provider; ``mopd_gpu.py`` is Figure 8(b)'s GPU workload and baselines."""

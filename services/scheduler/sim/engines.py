@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from services.scheduler.core.effects import StartOnNode
-from services.scheduler.core.scheduler import SchedulerCore
+from services.scheduler.core.scheduler import CoreConfig, SchedulerCore
 from services.scheduler.policies.base import Policy, Running, Waiting
-from services.scheduler.policies.dparrange import CHUNK_SIZES, chunk_level
+from services.scheduler.policies.chunks import CHUNK_SIZES, chunk_level
 from services.scheduler.policies.elastic import ElasticPolicy, fits_chunks_at_min
 from services.scheduler.policies.static import TrajectoryStaticPolicy
 from services.scheduler.sim.traces import Step
@@ -64,7 +64,7 @@ class CoreEngine:
     """CPU nodes scheduled by ``SchedulerCore`` with the given policy."""
 
     def __init__(self, policy: Policy, nodes: int, cores: int, numa: int = 2) -> None:
-        self.core = SchedulerCore(policy)
+        self.core = SchedulerCore(policy, CoreConfig(queue_timeout_s=None))  # queues are measured
         self._running: dict[str, tuple[StartOnNode, float]] = {}
         for n in range(nodes):
             self.core.node_report(sim_node(f"node-{n}", cores, numa), 0.0)

@@ -17,8 +17,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.quota_manager.fair import FairQueue
-from services.quota_manager.limiter import Grant, Limiter
+from services.scheduler.policies.quota_fair import FairQueue
+from services.scheduler.policies.quota_limiter import Grant, Limiter
 from tangram.contract import QuotaSpec
 
 

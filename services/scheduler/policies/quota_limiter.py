@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from services.quota_manager.adaptive import Aimd, AimdConfig, Hints
+from services.scheduler.policies.quota_adaptive import Aimd, AimdConfig, Hints
 from tangram.contract import QuotaSpec
 from tangram.errors import InvalidRequest
 
@@ -86,6 +86,16 @@ class Window:
         self.used += amount
         return entry
 
+    def entries(self) -> list[_Entry]:
+        """The grants still counted, oldest first."""
+        return list(self._log)
+
+    def adopt(self, entry: _Entry) -> None:
+        """Count an entry of another window of the same quota (a changed spec)."""
+        entry.expired = False
+        self._log.append(entry)
+        self.used += entry.amount
+
     def true_up(self, entry: _Entry, amount: float, now: float) -> None:
         """Replace a reservation's amount by what was really used (if still in the window)."""
         self._expire(now)
@@ -115,6 +125,7 @@ class Limiter:
         aimd: AimdConfig | None = None,
     ) -> None:
         self.spec = spec
+        self.margin_s = margin_s
         self.adaptive = Aimd(aimd, now=now)
         self.windows = [Window(name, n, w, margin_s) for name, n, w in spec.windows()]
         tpm = spec.tokens_per_minute
@@ -124,6 +135,42 @@ class Limiter:
         self.held = 0
         self._live: dict[int, _Entry | None] = {}
         self._ids = itertools.count(1)
+
+    def check(self, units: int, tokens: int) -> None:
+        """InvalidRequest if ``units`` / ``tokens`` could never be granted under this quota."""
+        self._validate(units, tokens)
+
+    def record(self, units: int, tokens: int, at: float) -> None:
+        """Count a past grant (at ``at``, no longer held) against the windows: a rebuild after a
+        restart, in time order and before any new grant."""
+        for window in self.windows:
+            window.add(units, at)
+        if self.tokens is not None:
+            self.tokens.add(tokens, at)
+
+    def hold(self, units: int, at: float) -> Grant:
+        """Hold ``units`` of concurrency for a grant already counted by :meth:`record`, whatever
+        the limit says (a rebuilt call or lease in flight); release it as any other grant."""
+        self.held += units
+        grant = Grant(next(self._ids), units, 0, at)
+        self._live[grant.id] = None
+        return grant
+
+    def respec(self, spec: QuotaSpec) -> None:
+        """Take a changed spec, keeping what was granted: a window that existed keeps its log; a
+        new one starts from the longest old window's log (older grants are unknown to it)."""
+        old = {w.name: w for w in self.windows}
+        longest = max(self.windows, key=lambda w: w.span_s, default=None)
+        self.spec = spec
+        self.windows = [
+            _carried(Window(name, n, w, self.margin_s), old.get(name) or longest)
+            for name, n, w in spec.windows()
+        ]
+        tpm = spec.tokens_per_minute
+        fresh = (
+            None if tpm is None else Window("tokens_per_minute", tpm, TOKEN_SPAN_S, self.margin_s)
+        )
+        self.tokens = None if fresh is None else _carried(fresh, self.tokens)
 
     def try_acquire(self, units: int, tokens: int, now: float) -> Grant | WaitUntil:
         """A grant of ``units`` requests and ``tokens`` reserved tokens, or when to retry."""
@@ -206,3 +253,11 @@ class Limiter:
             self.adaptive.on_throttle(now, sent_at=grant.at, retry_after_s=retry_s)
         elif status is not None and status < 500:
             self.adaptive.on_success(now)
+
+
+def _carried(window: Window, source: Window | None) -> Window:
+    """``window`` holding ``source``'s entries (the same objects, so live reservations still
+    true up); entries are kept in time order, each expiring by ``window``'s own span."""
+    for entry in [] if source is None else source.entries():
+        window.adopt(entry)
+    return window

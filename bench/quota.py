@@ -1,0 +1,216 @@
+"""Quotas against a real rate-limited HTTP server, through a real mesh (issue 12, item 6).
+
+Starts a mesh (embedded nats-server + PostgreSQL, each service its own process, one
+quota_manager) and the project's rate-limited test server (tests/ratelimited_server.py: it
+enforces a rate and a concurrency limit and answers 429 with Retry-After past either). Three
+jobs x 100 concurrent callers each call ``client.http`` in a closed loop, in two phases:
+
+1. the quota declared correctly (the server's rate and concurrency): 429s seen by the server
+   (target 0), achieved rate vs the limit in the steady window (>= 95%), Jain's fairness of
+   the jobs' successful calls (>= 0.95), system overhead per call p50 (client-measured time
+   minus quota queueing minus the upstream call itself, <= 2 ms);
+2. the rate declared 2x too high: after ``--converge-s`` the share of calls that saw a 429
+   (a retry or a final 429, < 2%), and the rate the limiter learned.
+
+    python -m bench.quota [--rate 50] [--concurrency 16] [--seconds 20] [--converge-s 15]
+
+Writes bench/results/quota.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+from tangram import QuotaSpec
+from tangram.client import Client
+from tangram.launcher import Mesh, MeshOptions
+from tests.ratelimited_server import RateLimitedServer, ServerConfig
+
+OUT = Path(__file__).parent / "results" / "quota.json"
+TARGETS = {
+    "throttled_declared_right": 0,
+    "achieved_rate_fraction": 0.95,
+    "jain_fairness": 0.95,
+    "throttled_share_after_convergence": 0.02,
+    "overhead_p50_ms": 2.0,
+}
+
+
+@dataclass
+class Call:
+    job: str
+    done_at: float  # perf_counter, seconds since the phase began
+    status: int  # the final HTTP status (0: the action failed without one)
+    tries: int
+    overhead_s: float
+
+
+@dataclass
+class Phase:
+    calls: list[Call] = field(default_factory=list)
+    started: float = 0.0
+
+
+def jain(xs: list[float]) -> float:
+    """Jain's fairness index: 1 when all equal, 1/n when one gets everything."""
+    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if any(xs) else 0.0
+
+
+def pct(xs: list[float], p: int) -> float:
+    if not xs:
+        return float("nan")
+    return statistics.quantiles(xs, n=100, method="inclusive")[p - 1] if len(xs) > 1 else xs[0]
+
+
+async def caller(client: Client, url: str, quota: str, job: str, end: float, ph: Phase) -> None:
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        res = await client.http("GET", url, quota=quota, job_id=job, headers={"X-Job": job})
+        total = time.perf_counter() - t0
+        t = res.timings
+        overhead = total - (t.queue_s + t.exec_s) if t else float("nan")
+        status = res.http.status if res.http else 0
+        tries = res.http.tries if res.http else 1
+        ph.calls.append(Call(job, time.perf_counter() - ph.started, status, tries, overhead))
+
+
+async def run_phase(
+    client: Client, server: RateLimitedServer, spec: QuotaSpec, args: argparse.Namespace
+) -> Phase:
+    await client.set_quota(spec)
+    ph = Phase(started=time.perf_counter())
+    end = ph.started + args.seconds
+    jobs = [f"{spec.name}-job{j}" for j in range(args.jobs)]
+    url = f"{server.url}/call"
+    await asyncio.gather(
+        *(caller(client, url, spec.name, job, end, ph) for job in jobs for _ in range(args.callers))
+    )
+    return ph
+
+
+def steady_rate(ph: Phase, start_s: float, end_s: float) -> float:
+    ok = [c for c in ph.calls if c.status == 200 and start_s <= c.done_at < end_s]
+    return len(ok) / (end_s - start_s)
+
+
+def summary_right(ph: Phase, server: RateLimitedServer, args: argparse.Namespace) -> dict[str, Any]:
+    per_job = {}
+    for c in ph.calls:
+        per_job[c.job] = per_job.get(c.job, 0) + (c.status == 200)
+    rate = steady_rate(ph, args.warmup_s, args.seconds - 1.0)
+    overheads = [c.overhead_s * 1000 for c in ph.calls if c.overhead_s == c.overhead_s]
+    return {
+        "calls": len(ph.calls),
+        "server": server.counters.as_json(),
+        "throttled_declared_right": sum(server.counters.throttled.values()),
+        "achieved_per_s": rate,
+        "achieved_rate_fraction": rate / args.rate,
+        "ok_per_job": per_job,
+        "jain_fairness": jain([float(v) for v in per_job.values()]),
+        "overhead_p50_ms": pct(overheads, 50),
+        "overhead_p99_ms": pct(overheads, 99),
+    }
+
+
+def summary_high(ph: Phase, server: RateLimitedServer, args: argparse.Namespace) -> dict[str, Any]:
+    late = [c for c in ph.calls if c.done_at >= args.converge_s]
+    saw_429 = [c for c in late if c.tries > 1 or c.status == 429]
+    return {
+        "calls": len(ph.calls),
+        "server": server.counters.as_json(),
+        "calls_after_convergence": len(late),
+        "throttled_share_after_convergence": len(saw_429) / max(1, len(late)),
+        "achieved_per_s_after_convergence": steady_rate(ph, args.converge_s, args.seconds - 1.0),
+    }
+
+
+async def learned(client: Client, name: str) -> float | None:
+    return next((q.learned_per_s for q in await client.list_quotas() if q.spec.name == name), None)
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = ServerConfig(per_second=args.rate, concurrency=args.concurrency, latency_s=args.latency_s)
+    with tempfile.TemporaryDirectory(prefix="tangram-bench-quota-") as root:
+        opts = MeshOptions(state_dir=Path(root), fsync=False, backend="process", quiet=True)
+        async with Mesh(opts) as mesh, Client.connect(mesh.nats_url) as client:
+            async with RateLimitedServer(cfg) as server:
+                hosts = (server.url.removeprefix("http://"),)
+                right = QuotaSpec(
+                    "right", per_second=args.rate, concurrency=args.concurrency, hosts=hosts
+                )
+                ph1 = await run_phase(client, server, right, args)
+                first = summary_right(ph1, server, args)
+            async with RateLimitedServer(cfg) as server:
+                hosts = (server.url.removeprefix("http://"),)
+                high = QuotaSpec(
+                    "high", per_second=2 * args.rate, concurrency=args.concurrency, hosts=hosts
+                )
+                args.seconds = max(args.seconds, args.converge_s + 10)
+                ph2 = await run_phase(client, server, high, args)
+                second = summary_high(ph2, server, args) | {
+                    "learned_per_s": await learned(client, "high")
+                }
+    results = {"declared_right": first, "declared_2x_high": second}
+    checks = {
+        "throttled_declared_right": first["throttled_declared_right"]
+        <= TARGETS["throttled_declared_right"],
+        "achieved_rate_fraction": first["achieved_rate_fraction"]
+        >= TARGETS["achieved_rate_fraction"],
+        "jain_fairness": first["jain_fairness"] >= TARGETS["jain_fairness"],
+        "throttled_share_after_convergence": second["throttled_share_after_convergence"]
+        < TARGETS["throttled_share_after_convergence"],
+        "overhead_p50_ms": first["overhead_p50_ms"] <= TARGETS["overhead_p50_ms"],
+    }
+    return {
+        "setup": {
+            "server": {
+                "per_second": args.rate,
+                "concurrency": args.concurrency,
+                "latency_s": args.latency_s,
+            },
+            "jobs": args.jobs,
+            "callers_per_job": args.callers,
+            "seconds": args.seconds,
+            "converge_s": args.converge_s,
+            "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.python_version()}",
+        },
+        "targets": TARGETS,
+        "results": results,
+        "met": checks,
+    }
+
+
+def cli() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--rate", type=int, default=50, help="the server's calls per second")
+    ap.add_argument("--concurrency", type=int, default=16, help="the server's concurrency limit")
+    ap.add_argument("--latency-s", type=float, default=0.02, help="the server's service time")
+    ap.add_argument("--jobs", type=int, default=3)
+    ap.add_argument("--callers", type=int, default=100, help="concurrent callers per job")
+    ap.add_argument("--seconds", type=float, default=20.0, help="length of each phase")
+    ap.add_argument("--warmup-s", type=float, default=2.0, help="excluded from the rate window")
+    ap.add_argument("--converge-s", type=float, default=15.0, help="phase 2: 429s counted after")
+    args = ap.parse_args()
+    report = uvloop.run(main(args))
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report["met"], indent=2))
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    cli()

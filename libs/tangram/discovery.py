@@ -1,0 +1,122 @@
+"""Finding the running mesh without a URL, and owning a state dir while a mesh runs there.
+
+A client looks, in order, at: the URL it was given, ``TANGRAM_NATS_URL``, the ``mesh.json``
+that ``tangram up`` writes in the state dir (``TANGRAM_STATE_DIR``, default ``.state``) if
+the process that wrote it is still alive, and last the conventional NATS port on this machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from tangram.errors import TangramError
+
+DEFAULT_PORT = 4222
+DEFAULT_URL = f"nats://127.0.0.1:{DEFAULT_PORT}"
+URL_VAR = "TANGRAM_NATS_URL"
+STATE_VAR = "TANGRAM_STATE_DIR"
+MESH_FILE = "mesh.json"
+LOCK_FILE = "mesh.lock"
+
+
+def default_state_dir() -> Path:
+    return Path(os.environ.get(STATE_VAR, ".state"))
+
+
+@dataclass(frozen=True)
+class Found:
+    """A NATS URL and where it came from (said in connection errors)."""
+
+    url: str
+    source: str
+
+
+def find(url: str | None = None, state_dir: Path | None = None) -> Found:
+    """Where the mesh's NATS is, by the rule in this module's docstring."""
+    if url:
+        return Found(url, "given")
+    if os.environ.get(URL_VAR):
+        return Found(os.environ[URL_VAR], f"${URL_VAR}")
+    path = (state_dir or default_state_dir()) / MESH_FILE
+    info = read_mesh(path)
+    if info is not None:
+        return Found(str(info["nats_url"]), str(path))
+    return Found(DEFAULT_URL, "the default port")
+
+
+def read_mesh(path: Path) -> dict[str, object] | None:
+    """A ``mesh.json`` whose writer is still alive (None: missing, unreadable or stale)."""
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or "nats_url" not in info:
+        return None
+    pid = info.get("pid")
+    return info if isinstance(pid, int) and pid_alive(pid) else None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, someone else's
+    return True
+
+
+def write_mesh(state_dir: Path, nats_url: str, postgres_dsn: str) -> Path:
+    path = state_dir / MESH_FILE
+    info = {"nats_url": nats_url, "postgres_dsn": postgres_dsn, "pid": os.getpid()}
+    path.write_text(json.dumps(info, indent=2))
+    return path
+
+
+def remove_mesh(state_dir: Path) -> None:
+    """Remove ``mesh.json`` if this process wrote it."""
+    path = state_dir / MESH_FILE
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+
+
+class StateLock:
+    """An exclusive hold on a state dir while a mesh runs there (released by the kernel if
+    the holder dies); a second holder is told who holds it."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = state_dir / LOCK_FILE
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> None:
+        """Take the hold (idempotent); a TangramError names the pid holding it."""
+        if self._file is not None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+")  # held open for the mesh's lifetime
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            f.close()
+            raise TangramError(
+                f"state dir {self.path.parent} is in use by pid {holder} (another tangram up?);"
+                " stop it or give another --state-dir"
+            ) from None
+        f.truncate(0)
+        f.write(str(os.getpid()))
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,93 @@
+"""The services a GPU node prepared: each built once from its factory, its state kept as an
+invariant host copy, its device footprint measured; or the error its factory gave.
+
+:func:`prepare` is blocking (it imports and runs user code): the executor calls it in a worker
+thread. Whatever the factory does wrong becomes the entry's ``error``; it is never raised.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from services.gpu_manager.host_copy import HostCopy, Resident
+from services.gpu_manager.residency import Placement
+from services.gpu_manager.services import Handle, build_service
+from tangram.contract import PreparedService, ServiceSpec
+from tangram.errors import TangramError
+
+log = logging.getLogger(__name__)
+
+MB = 1 << 20
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A service ready to run (``copy`` and ``handle`` set) or failed (``error`` set)."""
+
+    spec: ServiceSpec
+    copy: HostCopy | None = None
+    handle: Handle | None = None
+    error: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes one copy needs (the slab, alignment included)."""
+        return self.copy.nbytes if self.copy is not None else 0
+
+
+def prepare(spec: ServiceSpec, *, pin: bool | None = None) -> Prepared:
+    """Build ``spec``'s service and capture its host copy. Blocking; never raises for the
+    factory's faults (they are the entry's error)."""
+    try:
+        built = build_service(spec.factory)
+        copy = HostCopy(built.model, pin=pin)
+    except TangramError as exc:
+        return Prepared(spec, error=exc.message)
+    except Exception as exc:  # a model the host copy cannot capture is the user's fault too
+        log.warning("service %s: cannot keep a host copy", spec.name, exc_info=True)
+        return Prepared(spec, error=f"service {spec.name}: cannot copy its state: {exc!r}")
+    return Prepared(spec, copy, built.handle)
+
+
+def variant(name: str, dop: int) -> str:
+    """The residency key of a DoP variant: each is a distinct service on the devices (§5.3)."""
+    return f"{name}/{dop}"
+
+
+@dataclass
+class Catalog:
+    """Prepared services by name, and the copies restored onto devices now."""
+
+    entries: dict[str, Prepared] = field(default_factory=dict)
+    loaded: dict[Placement, Resident] = field(default_factory=dict)
+
+    def missing(self, specs: tuple[ServiceSpec, ...] | list[ServiceSpec]) -> list[ServiceSpec]:
+        """The specs not prepared as they are now (new, or changed since)."""
+        return [s for s in specs if self._current(s) is None]
+
+    def _current(self, spec: ServiceSpec) -> Prepared | None:
+        entry = self.entries.get(spec.name)
+        return entry if entry is not None and entry.spec == spec else None
+
+    def put(self, entry: Prepared) -> list[Placement]:
+        """Keep ``entry`` (replacing an older spec of the name); returns the placements where
+        the replaced one is loaded, which the caller drops once no action uses them."""
+        self.entries[entry.spec.name] = entry
+        return [p for p in self.loaded if p.service.rpartition("/")[0] == entry.spec.name]
+
+    def get(self, name: str) -> Prepared | None:
+        return self.entries.get(name)
+
+    def reports(self, resident: dict[str, list[tuple[int, int]]]) -> tuple[PreparedService, ...]:
+        """One report per service and DoP variant: ready with its footprint and where it is
+        resident (GPU indices), or its error."""
+        out: list[PreparedService] = []
+        for name in sorted(self.entries):
+            e = self.entries[name]
+            for dop in e.spec.dops:
+                chunks = resident.get(variant(name, dop), [])
+                devices = tuple(sorted(d for s, n in chunks for d in range(s, s + n)))
+                mb = -(-e.nbytes // MB)
+                out.append(PreparedService(name, dop, mb, devices, e.error))
+        return tuple(out)

@@ -1,0 +1,339 @@
+"""The GPU node's executor: model calls on the node's devices, by evict-on-execution.
+
+Each dispatched call waits in a lane (its service's DoP variant on its granted chunk, or on
+any chunk when the dispatch names none). Whenever a lane's chunk is free, up to ``max_batch``
+of its calls run as one forward pass: the residency core grants the chunk (at most one batch
+per device at a time), plans the LRU evictions that make room, and says whether the service
+must be restored from its host copy. Everything torch does runs in worker threads (one per
+device); the event loop only moves calls and results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.gpu_manager import catalog, devices
+from services.gpu_manager.batching import Batch, BatchFormer, Call, Output, run_batch
+from services.gpu_manager.catalog import Catalog, Prepared, variant
+from services.gpu_manager.config import GpuManagerConfig
+from services.gpu_manager.devices import Chunk
+from services.gpu_manager.outcomes import chunk_of, outcome_of, refused
+from services.gpu_manager.residency import Grant, Residency, snapshot
+from tangram.contract import (
+    Dispatch,
+    ErrorKind,
+    GpuDevice,
+    InferAction,
+    Inventory,
+    Outcome,
+    PreparedService,
+    ServiceSpec,
+    kind_of,
+)
+from tangram.errors import TangramError
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+BANDWIDTH_BYTES = 64 << 20  # a plain copy this large measures the node's restore bandwidth
+
+
+@dataclass(frozen=True, slots=True)
+class Lane:
+    """Calls of one DoP variant of a service that run on ``chunk`` (any chunk when None)."""
+
+    name: str
+    dop: int
+    chunk: Chunk | None
+
+    @property
+    def key(self) -> str:
+        where = "*" if self.chunk is None else str(self.chunk.start)
+        return f"{variant(self.name, self.dop)}@{where}"
+
+
+class GpuExecutor:
+    """The agent runtime's Executor (with the Prepares and Reports hooks) for model calls."""
+
+    def __init__(self, cfg: GpuManagerConfig, *, clock: Clock = time.time) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.catalog = Catalog()
+        self.former = BatchFormer(cfg.max_queued)
+        self.devices = devices.Inventory("none", ())
+        self.residency = Residency(())
+        self.lanes: dict[str, Lane] = {}
+        self._waiters: dict[str, asyncio.Future[Outcome]] = {}
+        self._batches: set[asyncio.Task[None]] = set()
+        self._ids = itertools.count()
+        self._prep_lock = asyncio.Lock()
+        self._runner: concurrent.futures.ThreadPoolExecutor | None = None
+        self._builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpu-build")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> Inventory:
+        if self.cfg.torch_threads:
+            torch.set_num_threads(self.cfg.torch_threads)
+        self.devices = await asyncio.to_thread(devices.discover, self.cfg.devices())
+        gbps = await asyncio.to_thread(measure_bandwidth, self.devices)
+        self.residency = Residency(tuple(d.budget_bytes for d in self.devices.devices))
+        n = max(1, len(self.devices.devices))
+        self._runner = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="gpu-run")
+        log.warning("node %s: %s, restore %.1f GB/s", self.cfg.node_id, self.describe(), gbps)
+        return inventory(self.devices, gbps)
+
+    def describe(self) -> str:
+        return self.devices.describe()
+
+    async def close(self) -> None:
+        for call_id in list(self._waiters):
+            self._cancel_queued(call_id, ErrorKind.NODE_DIED, "the gpu_manager stopped")
+        if self._runner is not None:
+            self._runner.shutdown(wait=False, cancel_futures=True)
+        self._builder.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ services
+
+    async def prepare(self, services: Sequence[ServiceSpec]) -> None:
+        """Build what is new or changed, one at a time, in the builder thread."""
+        async with self._prep_lock:
+            for spec in self.catalog.missing(list(services)):
+                loop = asyncio.get_running_loop()
+                entry = await loop.run_in_executor(self._builder, catalog.prepare, spec)
+                self._keep(entry)
+
+    def _keep(self, entry: Prepared) -> None:
+        if entry.error:
+            log.warning("service %s: %s", entry.spec.name, entry.error)
+        busy = {g.placement for g in self.residency.running.values()}
+        for p in self.catalog.put(entry):  # the replaced spec's copies, where idle
+            if p not in busy:
+                self.catalog.loaded.pop(p, None)
+                self.residency.cached.pop(p, None)
+
+    def services(self) -> tuple[PreparedService, ...]:
+        return self.catalog.reports(snapshot(self.residency))
+
+    # ------------------------------------------------------------------ calls
+
+    async def run(self, dispatch: Dispatch) -> Outcome:
+        spec = dispatch.action.spec
+        action = spec.action
+        if not isinstance(action, InferAction):
+            why = f"a GPU node runs infer actions, not {kind_of(action)}"
+            return refused(why, self.clock())
+        lane = await self._lane(dispatch, action)
+        if isinstance(lane, Outcome):
+            return lane
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters[spec.action_id] = fut
+        try:
+            self.former.submit(Call(spec.action_id, lane.key, action.payload, self.clock()))
+        except TangramError as exc:
+            del self._waiters[spec.action_id]
+            return refused(exc.message, self.clock())
+        self.lanes[lane.key] = lane
+        self._pump()
+        return await self._outcome(spec.action_id, fut, spec.timeout_s)
+
+    async def _lane(self, d: Dispatch, action: InferAction) -> Lane | Outcome:
+        """Where the call runs, preparing its service first if the dispatch brings a spec
+        this node has not prepared; or why it cannot run here."""
+        if d.service is not None and d.service.name != action.service:
+            return refused(f"dispatch of {action.service} carries service {d.service.name}", 0)
+        if d.service is not None and self.catalog.missing([d.service]):
+            await self.prepare([d.service])
+        entry = self.catalog.get(action.service)
+        now = self.clock()
+        if entry is None:
+            known = ", ".join(sorted(self.catalog.entries)) or "none"
+            return refused(
+                f"service {action.service!r} is not prepared here (prepared: {known})", now
+            )
+        if entry.error:
+            return refused(entry.error, now)
+        chunk = chunk_of(d.gpus, len(self.devices.devices)) if d.gpus else None
+        if d.gpus and chunk is None:
+            return refused(f"GPUs {list(d.gpus)} are not a chunk of this node", now)
+        dop = len(d.gpus) if d.gpus else entry.spec.dops[0]
+        if dop not in entry.spec.dops:
+            return refused(f"service {entry.spec.name} has no DoP-{dop} variant", now)
+        return Lane(entry.spec.name, dop, chunk)
+
+    async def _outcome(
+        self, call_id: str, fut: asyncio.Future[Outcome], timeout_s: float
+    ) -> Outcome:
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        except TimeoutError:
+            self._cancel_queued(call_id, ErrorKind.EXEC_TIMEOUT, "")
+            now = self.clock()
+            why = f"no output within the action's timeout of {timeout_s}s"
+            return Outcome(
+                failure=ErrorKind.EXEC_TIMEOUT, detail=why, started_at=now, finished_at=now
+            )
+        finally:
+            self._waiters.pop(call_id, None)
+
+    async def kill(self, action_id: str) -> None:
+        """A queued call is cancelled; a running one finishes (its batch is one pass)."""
+        self._cancel_queued(action_id, ErrorKind.CANCELLED, "cancelled before it ran")
+
+    def _cancel_queued(self, call_id: str, kind: ErrorKind, why: str) -> None:
+        if self.former.cancel(call_id) is None:
+            return
+        now = self.clock()
+        self._resolve(call_id, Outcome(failure=kind, detail=why, started_at=now, finished_at=now))
+
+    def _resolve(self, call_id: str, outcome: Outcome) -> None:
+        fut = self._waiters.get(call_id)
+        if fut is not None and not fut.done():
+            fut.set_result(outcome)
+
+    async def drop_env(self, trajectory_id: str) -> None:
+        """Model calls keep no environment."""
+
+    def envs(self) -> Mapping[str, float]:
+        return {}
+
+    # ------------------------------------------------------------------ batches
+
+    def _pump(self) -> None:
+        """Start a batch on every lane whose chunk is free (oldest waiting lane first)."""
+        for key in self.former.waiting():
+            lane = self.lanes[key]
+            entry = self.catalog.get(lane.name)
+            if entry is None or entry.copy is None:
+                self._fail_lane(key, "the service is no longer prepared here")
+                continue
+            grant = self._acquire(lane, entry)
+            if grant is None:
+                continue
+            batch = self.former.take(key, entry.spec.max_batch)
+            if batch is None:  # cannot happen: the lane was waiting
+                self.residency.release(grant.action_id, self.clock(), resident=False)
+                continue
+            task = asyncio.get_running_loop().create_task(self._run_batch(grant, entry, batch))
+            self._batches.add(task)
+            task.add_done_callback(self._batches.discard)
+
+    def _acquire(self, lane: Lane, entry: Prepared) -> Grant | None:
+        batch_id = f"batch-{next(self._ids)}"
+        key = variant(lane.name, lane.dop)
+        try:
+            return self.residency.acquire(
+                batch_id, key, lane.dop, entry.nbytes, self.clock(), lane.chunk
+            )
+        except TangramError as exc:
+            self._fail_lane(lane.key, exc.message)
+            return None
+
+    def _fail_lane(self, key: str, why: str) -> None:
+        batch = self.former.take(key, len(self.former) or 1)
+        for call in batch.calls if batch else ():
+            self._resolve(call.call_id, refused(why, self.clock()))
+
+    async def _run_batch(self, grant: Grant, entry: Prepared, batch: Batch) -> None:
+        started = self.clock()
+        loop = asyncio.get_running_loop()
+        ok = True
+        try:
+            restore_s, outs = await loop.run_in_executor(
+                self._runner, self._work, grant, entry, batch
+            )
+        except Exception as exc:  # the restore failed (out of memory, a lost device)
+            log.warning("restore of %s failed", grant.placement, exc_info=True)
+            ok, restore_s = False, 0.0
+            outs = _restore_failed(batch, exc)
+        finally:
+            self.residency.release(grant.action_id, self.clock(), resident=ok)
+        if not ok:
+            self.catalog.loaded.pop(grant.placement, None)
+        finished = self.clock()
+        for out in outs:
+            times = {"started": started, "finished": finished, "restore_s": restore_s}
+            self._resolve(out.call_id, outcome_of(out, entry.spec, **times))
+        self._pump()
+
+    def _work(self, grant: Grant, entry: Prepared, batch: Batch) -> tuple[float, list[Output]]:
+        """In a worker thread: evict, restore if needed, run the batch. Returns restore_s."""
+        assert entry.copy is not None, "a batch runs only for a prepared service"
+        for p in grant.evict:
+            self.catalog.loaded.pop(p, None)  # no write-back: the host copy is invariant
+        restore_s = 0.0
+        resident = self.catalog.loaded.get(grant.placement)
+        if resident is None:
+            t0 = time.perf_counter()
+            device = self.devices.devices[grant.placement.chunk.start].torch_device
+            resident = entry.copy.restore(device)
+            _sync(resident.device)
+            restore_s = time.perf_counter() - t0
+            self.catalog.loaded[grant.placement] = resident
+        return restore_s, _isolated(resident.model, entry, batch)
+
+
+def _isolated(model: torch.nn.Module, entry: Prepared, batch: Batch) -> list[Output]:
+    """The batch's outputs. A batch the handler failed as a whole is run again one call at a
+    time, so one call's bad payload never fails the calls coalesced with it."""
+    assert entry.handle is not None, "a batch runs only for a prepared service"
+    outs = run_batch(model, entry.handle, batch)
+    if len(batch.calls) < 2 or not all(o.error and o.fault == "handler" for o in outs):
+        return outs
+    return [run_batch(model, entry.handle, Batch(batch.service, (c,)))[0] for c in batch.calls]
+
+
+def _restore_failed(batch: Batch, exc: Exception) -> list[Output]:
+    from services.gpu_manager.batching import fault_of
+
+    fault = fault_of(exc)
+    why = f"restoring the service failed: {exc!r}"
+    return [
+        Output(c.call_id, error=why, fault=fault if fault != "handler" else "device")
+        for c in batch.calls
+    ]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # pragma: no cover - needs a GPU
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth(inv: devices.Inventory) -> float:
+    """Host -> device copy bandwidth (GB/s) of a plain preallocated copy, best of three."""
+    if not inv.devices:
+        return 0.0
+    device = torch.device(inv.devices[0].torch_device)
+    cuda = device.type == "cuda"
+    src = torch.ones(BANDWIDTH_BYTES, dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.zeros(BANDWIDTH_BYTES, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=cuda)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return round(BANDWIDTH_BYTES / best / 1e9, 2)
+
+
+def inventory(inv: devices.Inventory, gbps: float) -> Inventory:
+    """What the GPU node offers the scheduler."""
+    mb = devices.MB
+    gpus = tuple(
+        GpuDevice(index=d.index, memory_mb=d.budget_bytes // mb, name=d.name) for d in inv.devices
+    )
+    return Inventory(
+        kind="gpu",
+        gpus=gpus,
+        memory_mb=sum(g.memory_mb for g in gpus),
+        backend=inv.kind,
+        restore_gb_per_s=gbps,
+    )

@@ -1,0 +1,227 @@
+"""One HTTP call under a quota, guarded end to end (the shell around ``reach.py``).
+
+Every hop is checked by :mod:`~services.quota_manager.reach` before it is made: the URL
+(scheme, allow-list, IP literals), then the address the name resolves to, inside the
+connector's own resolver (:class:`GuardedResolver`), so the address checked is the address
+connected to (no DNS rebinding between a check and the connect). Redirects are followed here,
+not by aiohttp, each target checked by the same rule, at most ``MAX_REDIRECTS``. The body read
+is capped; ``Set-Cookie`` never leaves the agent and no cookie is ever kept between calls.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections import OrderedDict
+from typing import Final, NamedTuple
+
+import aiohttp
+import msgspec
+from aiohttp.abc import AbstractResolver, ResolveResult
+from multidict import CIMultiDictProxy
+from yarl import URL
+
+from services.quota_manager.reach import (
+    MAX_HEADER_BYTES,
+    MAX_HEADERS,
+    MAX_REDIRECTS,
+    Target,
+    check_address,
+    check_body,
+    check_headers,
+    check_redirect,
+    check_url,
+)
+from tangram.contract import HttpResponse
+from tangram.errors import InvalidRequest
+
+REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
+DROPPED_HEADERS: Final = frozenset({"set-cookie", "set-cookie2"})
+MAX_SESSIONS: Final = 256  # one per (allow-list, scheme); the least recently used closes
+
+
+class Call(NamedTuple):
+    """What to send: the caller's method, URL, headers and body (the key already added)."""
+
+    method: str
+    url: str
+    headers: dict[str, str]
+    body: bytes
+    hosts: tuple[str, ...]
+    cap: int  # response body bytes kept
+
+
+class Answer(NamedTuple):
+    """The upstream's final answer and the tokens its JSON body says it spent."""
+
+    response: HttpResponse
+    tokens_used: int | None
+
+
+class AddressRefused(OSError):
+    """A resolved address the quota may not reach (aiohttp wraps it in a connector error)."""
+
+
+class GuardedResolver(AbstractResolver):
+    """Resolves through the system resolver and refuses every answer unless all its addresses
+    pass :func:`check_address` for this allow-list and scheme."""
+
+    def __init__(self, hosts: tuple[str, ...], scheme: str) -> None:
+        self.hosts = hosts
+        self.scheme = scheme
+        self._inner = aiohttp.ThreadedResolver()
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        found = await self._inner.resolve(host, port, family)
+        target = Target(f"{self.scheme}://{host}", self.scheme, host, port)
+        for entry in found:
+            try:
+                check_address(target, entry["host"], self.hosts)
+            except InvalidRequest as exc:
+                raise AddressRefused(str(exc)) from None
+        return found
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+class Upstream:
+    """Sessions to the upstreams, one per (allow-list, scheme), and the guarded call."""
+
+    def __init__(self, *, max_connections: int = 1024, connect_timeout_s: float = 10.0) -> None:
+        self.max_connections = max_connections
+        self.connect_timeout_s = connect_timeout_s
+        self._sessions: OrderedDict[tuple[tuple[str, ...], str], aiohttp.ClientSession] = (
+            OrderedDict()
+        )
+
+    async def fetch(self, call: Call) -> Answer:
+        """Make ``call``, following allowed redirects; InvalidRequest when a hop is refused,
+        aiohttp/OS errors when the upstream cannot be reached."""
+        check_headers(call.headers)
+        check_body(call.body)
+        target = check_url(call.url, call.hosts)
+        method, body = call.method, call.body
+        for _ in range(MAX_REDIRECTS + 1):
+            check_literal(target, call.hosts)
+            session = await self._session(call.hosts, target.scheme)
+            async with session.request(
+                method,
+                URL(target.url, encoded=True),
+                headers=call.headers,
+                data=body or None,
+                allow_redirects=False,
+            ) as resp:
+                location = resp.headers.get("Location")
+                if resp.status not in REDIRECTS or location is None:
+                    return await answer(resp, call.cap)
+            target = check_redirect(location, target.url, call.hosts)
+            method, body = redirected(resp.status, method, body)
+        raise InvalidRequest(f"too many redirects (more than {MAX_REDIRECTS})")
+
+    async def close(self) -> None:
+        while self._sessions:
+            _, session = self._sessions.popitem()
+            await session.close()
+
+    async def _session(self, hosts: tuple[str, ...], scheme: str) -> aiohttp.ClientSession:
+        key = (hosts, scheme)
+        session = self._sessions.get(key)
+        if session is None:
+            session = self._sessions[key] = self._open(hosts, scheme)
+            if len(self._sessions) > MAX_SESSIONS:
+                await self._sessions.popitem(last=False)[1].close()
+        self._sessions.move_to_end(key)
+        return session
+
+    def _open(self, hosts: tuple[str, ...], scheme: str) -> aiohttp.ClientSession:
+        # no DNS cache: every connect resolves (and checks) again; no cookie jar, no proxy env
+        connector = aiohttp.TCPConnector(
+            resolver=GuardedResolver(hosts, scheme),
+            use_dns_cache=False,
+            limit=self.max_connections,
+        )
+        return aiohttp.ClientSession(
+            connector=connector,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            trust_env=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
+        )
+
+
+def check_literal(target: Target, hosts: tuple[str, ...]) -> None:
+    """An IP-literal target is connected to without resolving: check its address here."""
+    literal = target.host.strip("[]")
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in literal else socket.AF_INET, literal)
+    except OSError:
+        return  # a name: the resolver checks what it resolves to
+    check_address(target, literal, hosts)
+
+
+def redirected(status: int, method: str, body: bytes) -> tuple[str, bytes]:
+    """The method and body of the next hop (RFC 9110 §15.4: 303 and a POST's 301/302 become
+    a GET without body; 307/308 repeat the request)."""
+    if (status == 303 and method != "HEAD") or (status in (301, 302) and method == "POST"):
+        return "GET", b""
+    return method, body
+
+
+async def answer(resp: aiohttp.ClientResponse, cap: int) -> Answer:
+    body, truncated = await read_capped(resp.content, cap)
+    response = HttpResponse(
+        status=resp.status,
+        headers=kept_headers(resp.headers),
+        body=body,
+        body_truncated=truncated,
+    )
+    return Answer(response, None if truncated else tokens_used(body))
+
+
+async def read_capped(content: aiohttp.StreamReader, cap: int) -> tuple[bytes, bool]:
+    """At most ``cap`` bytes of the body, and whether there was more (never reads past)."""
+    chunks: list[bytes] = []
+    size = 0
+    while size <= cap:
+        chunk = await content.read(cap + 1 - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)[:cap], size > cap
+
+
+def kept_headers(headers: CIMultiDictProxy[str]) -> dict[str, str]:
+    """Response headers as one dict (repeats joined), without cookies, within the caps."""
+    kept: dict[str, str] = {}
+    size = 0
+    for name, value in headers.items():
+        key = name.lower()
+        if key in DROPPED_HEADERS:
+            continue
+        if key not in kept and (len(kept) >= MAX_HEADERS or size > MAX_HEADER_BYTES):
+            continue
+        kept[key] = f"{kept[key]}, {value}" if key in kept else value
+        size += len(key) + len(value)
+    return kept
+
+
+class _Usage(msgspec.Struct):
+    total_tokens: int | None = None
+
+
+class _LlmReply(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+def tokens_used(body: bytes) -> int | None:
+    """``usage.total_tokens`` of an LLM-style JSON reply, when there is one."""
+    if not body.lstrip().startswith(b"{"):
+        return None
+    try:
+        usage = msgspec.json.decode(body, type=_LlmReply).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    total = usage.total_tokens if usage is not None else None
+    return total if total is not None and total >= 0 else None

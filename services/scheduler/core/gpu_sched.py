@@ -1,0 +1,410 @@
+"""The GPU half of the scheduler core: registered services, their preparation on GPU nodes, and
+infer actions granted buddy chunks of a node's GPUs (§5.3).
+
+Pure, driven by ``SchedulerCore`` (which owns the queue, the nodes and the running actions and
+routes here what concerns GPU nodes and infer actions). One pass: infer actions for unknown
+services fail at once (``invalid_request`` naming the registered ones) and those every GPU node
+failed to prepare fail (``backend_unavailable`` with the factory's error); the rest are ordered
+(FCFS, or HRRS: plexrl Algorithm 1), each goes to a node that prepared it -- preferring one where
+it is resident on a free chunk, then the one with the most free GPUs -- and each node's list is
+arranged as one pool: the elastic policy chooses among the ready DoP variants over the node's
+free chunks (Algorithm 4), with the restore cost in the duration of a variant that is not
+resident where it would run; other policies give each call its smallest variant.
+
+Device failures are facts: ``device_oom`` retries the call once on the next larger variant (when
+the service has one some node prepared), else it fails ``device_oom``; ``device_lost`` fails the
+call and marks its GPUs down: none is granted again until the node's inventory has left it out
+and listed it again (an agent drops a lost GPU from its inventory and lists it when healthy) or
+the agent restarts (a new incarnation starts with every GPU it lists up).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+import numpy as np
+
+from services.scheduler.core import gpu
+from services.scheduler.core.books import Dispatched, GpuFacts, Node
+from services.scheduler.core.effects import (
+    Effect,
+    PrepareOnNode,
+    ServiceSettled,
+    StartOnNode,
+    verdict,
+)
+from services.scheduler.core.registry import (
+    Registration,
+    failed_everywhere,
+    has_reported,
+    missing,
+    state_of,
+)
+from services.scheduler.policies.base import (
+    ArrangesChunks,
+    Policy,
+    Running,
+    Waiting,
+)
+from services.scheduler.policies.chunks import fits_chunks_at_min
+from services.scheduler.policies.durations import (
+    DEFAULT_DURATION_S,
+    DurationLearner,
+    IntArray,
+    resolve,
+)
+from tangram.contract import (
+    Completion,
+    ErrorKind,
+    InferAction,
+    Inventory,
+    NodeReport,
+    ServiceSpec,
+    ServiceState,
+    UnifiedAction,
+)
+
+if TYPE_CHECKING:
+    from services.scheduler.core.scheduler import SchedulerCore
+
+GPU = "gpu"
+GpuOrder = Literal["fcfs", "hrrs"]
+
+
+def service_of(act: UnifiedAction) -> str:
+    return act.spec.action.service if isinstance(act.spec.action, InferAction) else ""
+
+
+def profile_of(act: UnifiedAction) -> str:
+    """What durations are learned under: the client's profile, else the service."""
+    return act.spec.profile or f"infer:{service_of(act)}"
+
+
+def new_facts(inv: Inventory) -> GpuFacts:
+    gpus = tuple(sorted(g.index for g in inv.gpus))
+    return GpuFacts(gpus=gpus, restore_gb_per_s=inv.restore_gb_per_s)
+
+
+class GpuScheduler:
+    """Services, registrations and GPU grants; see the module docstring."""
+
+    def __init__(
+        self, core: SchedulerCore, order: GpuOrder, prepare_timeout_s: float, retry_s: float
+    ) -> None:
+        self.core = core
+        self.order = order
+        self.prepare_timeout_s = prepare_timeout_s
+        self.retry_s = retry_s
+        self.services: dict[str, ServiceSpec] = {}
+        self.registering: dict[str, Registration] = {}
+        self.oom_floor: dict[str, int] = {}  # action -> the smallest DoP its retry may get
+        policy: Policy = core.policy
+        self.chunks = policy if isinstance(policy, ArrangesChunks) else None
+        self.learner = self.chunks.learner if self.chunks is not None else DurationLearner()
+        # per pass: each node's free chunks and the restore part of a (node, service, dop) grant
+        self._free: dict[str, list[gpu.Chunk]] = {}
+        self._costs: dict[tuple[str, str, int], float] = {}
+        self._failed: dict[str, str] = {}  # service -> why every GPU node failed it
+
+    # ------------------------------------------------------------------ services
+
+    def facts(self) -> dict[str, GpuFacts]:
+        return {n.node_id: n.gpu for n in self.core.nodes.values() if n.gpu is not None}
+
+    def restore(self, specs: Sequence[ServiceSpec]) -> None:
+        """Services registered before a restart (from Postgres): known, nobody waits."""
+        for spec in specs:
+            self.services[spec.name] = spec
+
+    def register(self, spec: ServiceSpec, now: float) -> list[Effect]:
+        """Record ``spec`` and ask every GPU node to prepare it; the answer (``ServiceSettled``)
+        comes when each has reported it. What a node said of an earlier spec of the same name
+        is forgotten, so the answer waits for its report of this one."""
+        self.services[spec.name] = spec
+        nodes = self.facts()
+        for facts in nodes.values():
+            facts.services = {k: v for k, v in facts.services.items() if k[0] != spec.name}
+            facts.asked[spec.name] = now
+        deadline = now + self.prepare_timeout_s
+        self.registering[spec.name] = Registration(spec, set(nodes), deadline)
+        return [PrepareOnNode(n, (spec,)) for n in sorted(nodes)] + self.settle(now)
+
+    def states(self) -> tuple[ServiceState, ...]:
+        nodes = self.facts()
+        return tuple(state_of(self.services[n], nodes) for n in sorted(self.services))
+
+    def on_report(self, node: Node, report: NodeReport, now: float) -> list[Effect]:
+        """Take a GPU node's facts: which GPUs it lists, which services it prepared."""
+        facts = node.gpu
+        assert facts is not None
+        listed = {g.index for g in report.inventory.gpus}
+        for g in facts.gpus:
+            if g not in listed:
+                facts.absent.add(g)
+                facts.down.add(g)
+            elif g in facts.absent:  # listed again: healthy
+                facts.absent.discard(g)
+                facts.down.discard(g)
+        facts.services = {(e.name, e.dop): e for e in report.services}
+        effects: list[Effect] = []
+        ask = [
+            s
+            for s in missing(facts, self.services.values())
+            if now - facts.asked.get(s.name, -self.retry_s) >= self.retry_s
+        ]
+        if ask:
+            facts.asked.update((s.name, now) for s in ask)
+            effects.append(PrepareOnNode(node.node_id, tuple(ask)))
+        for reg in self.registering.values():
+            if node.node_id in reg.waiting_on and has_reported(facts, reg.spec):
+                reg.waiting_on.discard(node.node_id)
+        return effects + self.settle(now)
+
+    def node_gone(self, node_id: str, now: float) -> list[Effect]:
+        for reg in self.registering.values():
+            reg.waiting_on.discard(node_id)
+        return self.settle(now)
+
+    def settle(self, now: float) -> list[Effect]:
+        """Answer the registrations whose wait is over."""
+        effects: list[Effect] = []
+        for name, reg in list(self.registering.items()):
+            if reg.waiting_on and now < reg.deadline:
+                continue
+            del self.registering[name]
+            nodes = self.facts()
+            state = state_of(reg.spec, nodes)
+            effects.append(ServiceSettled(name, state, self._settle_error(reg, state, nodes)))
+        return effects
+
+    def _settle_error(
+        self, reg: Registration, state: ServiceState, nodes: dict[str, GpuFacts]
+    ) -> str:
+        if state.prepared_on or not nodes:
+            return ""
+        name = reg.spec.name
+        failed = failed_everywhere(reg.spec, nodes)
+        if failed:
+            return f"service {name!r} could not be prepared on any GPU node: {failed}"
+        late = ", ".join(sorted(reg.waiting_on)) or "any GPU node"
+        return f"service {name!r} was not prepared within {self.prepare_timeout_s:g}s by {late}"
+
+    # ------------------------------------------------------------------ decisions
+
+    def schedule(self, now: float) -> list[Effect]:
+        """One pass over the queued infer actions (see the module docstring)."""
+        acts = [a for a in self.core.queue.values() if a.key_resource == GPU]
+        if not acts:
+            return []
+        effects: list[Effect] = []
+        live = [n for n in self.core.nodes.values() if n.gpu is not None and not n.draining]
+        servable: list[UnifiedAction] = []
+        facts = self.facts()
+        self._failed = {n: failed_everywhere(s, facts) for n, s in self.services.items()}
+        for act in acts:
+            fail = self._unservable(act, now)
+            if fail:
+                effects += fail
+            else:
+                servable.append(act)
+        pools: dict[str, list[UnifiedAction]] = {}
+        budget = {n.node_id: sum(gpu.usable(_facts(n), n.free)) for n in live}
+        self._free = {n.node_id: gpu.free_chunks(gpu.usable(_facts(n), n.free)) for n in live}
+        self._costs = {}
+        for act in self._ordered(servable[: self.window], live, now):
+            node = self._choose(act, live, budget)
+            if node is not None and len(pools.get(node.node_id, ())) < self._cap(node):
+                pools.setdefault(node.node_id, []).append(act)
+                budget[node.node_id] -= self._dops(act, node)[0]
+        for node_id, waiting in pools.items():
+            effects += self._admit(self.core.nodes[node_id], waiting, now)
+        return effects
+
+    @property
+    def window(self) -> int:
+        """How many of the oldest servable calls one pass orders and places: enough to fill
+        every GPU node's pool with its lookahead, so a pass costs the same under any backlog."""
+        return sum(self._cap(n) for n in self.core.nodes.values() if n.gpu is not None)
+
+    def _cost(self, node: Node, service: str, dop: int) -> float:
+        key = (node.node_id, service, dop)
+        hit = self._costs.get(key)
+        if hit is None:
+            hit = self._costs[key] = gpu.grant_cost(
+                _facts(node), self._free[node.node_id], service, dop
+            )
+        return hit
+
+    def _cap(self, node: Node) -> int:
+        return len(_facts(node).gpus) + self.core.cfg.lookahead
+
+    def _unservable(self, act: UnifiedAction, now: float) -> list[Effect]:
+        name = service_of(act)
+        spec = self.services.get(name)
+        if spec is None:
+            known = ", ".join(sorted(self.services)) or "none"
+            why = f"unknown service {name!r}; registered services: {known}"
+            return self._fail(act, ErrorKind.INVALID_REQUEST, why, now)
+        failed = self._failed.get(name, "")
+        if failed:
+            why = f"no GPU node could prepare service {name!r}: {failed}"
+            return self._fail(act, ErrorKind.BACKEND_UNAVAILABLE, why, now)
+        return []
+
+    def _fail(self, act: UnifiedAction, kind: ErrorKind, why: str, now: float) -> list[Effect]:
+        del self.core.queue[act.spec.action_id]
+        return self.core.finish(act, verdict(act, kind, why, now=now))
+
+    def _dops(self, act: UnifiedAction, node: Node) -> tuple[int, ...]:
+        """The variants this call may run as on ``node`` (empty: not there)."""
+        spec = self.services[service_of(act)]
+        floor = self.oom_floor.get(act.spec.action_id, 1)
+        return gpu.ready_dops(_facts(node), spec.name, (d for d in spec.dops if d >= floor))
+
+    def _choose(self, act: UnifiedAction, live: list[Node], budget: dict[str, int]) -> Node | None:
+        """Its pool this pass: where it is resident on a free chunk, else the node with the most
+        free GPUs that fits it, else (it waits) the largest node that prepared it."""
+        best: tuple[int, int, int, str] | None = None
+        for node in live:
+            dops = self._dops(act, node)
+            if not dops:
+                continue
+            warm = self._cost(node, service_of(act), dops[0]) == 0.0
+            fits = budget[node.node_id] >= dops[0]
+            key = (int(fits and warm), int(fits), budget[node.node_id], node.node_id)
+            if best is None or key[:3] > best[:3]:
+                best = key
+        return None if best is None else self.core.nodes[best[3]]
+
+    def _ordered(
+        self, acts: list[UnifiedAction], live: list[Node], now: float
+    ) -> list[UnifiedAction]:
+        """FCFS (queue order), or by HRRS score, highest first (ties: FCFS)."""
+        if self.order == "fcfs":
+            return acts
+        scores = {a.spec.action_id: self._score(a, live, now) for a in acts}
+        return sorted(acts, key=lambda a: -scores[a.spec.action_id])
+
+    def _score(self, act: UnifiedAction, live: list[Node], now: float) -> float:
+        """HRRS with the call's expected time at its smallest variant, and a setup cost unless
+        some node could run it where it is resident."""
+        setup, exec_s = float("inf"), DEFAULT_DURATION_S
+        for node in live:
+            dops = self._dops(act, node)
+            if dops:
+                setup = min(setup, self._cost(node, service_of(act), dops[0]))
+                exec_s = self._duration(act, dops[0])
+        setup = 0.0 if setup == float("inf") else setup
+        return gpu.hrrs_score(now - act.submitted_at, exec_s, setup)
+
+    def _duration(self, act: UnifiedAction, dop: int) -> float:
+        hint = act.spec.duration
+        t_ori = hint.t_ori_s if hint else None
+        pf = hint.parallel_fraction if hint else None
+        model = resolve(profile_of(act), t_ori, pf, self.learner)
+        if model is None:
+            return DEFAULT_DURATION_S
+        return float(model.durations(gpu_units(dop))[0])
+
+    def _admit(self, node: Node, acts: list[UnifiedAction], now: float) -> list[Effect]:
+        facts = _facts(node)
+        chunks = gpu.free_chunks(gpu.usable(facts, node.free))
+        views = [self._view(a, node, facts, chunks) for a in acts]
+        running = [
+            _running_view(r) for r in self.core.running.values() if r.node_id == node.node_id
+        ]
+        counts = gpu.chunk_counts(chunks)
+        if self.chunks is not None:
+            grants = self.chunks.arrange_chunks(views, counts, running, now)
+        else:
+            grants = [w.min for w in views[: fits_chunks_at_min(views, counts)]]
+        effects: list[Effect] = []
+        for act, units in zip(acts, grants, strict=False):
+            if units > 0:
+                effects += self._start(node, act, units, now)
+        return effects
+
+    def _view(
+        self, act: UnifiedAction, node: Node, facts: GpuFacts, chunks: list[gpu.Chunk]
+    ) -> Waiting:
+        dops = self._dops(act, node)
+        hint = act.spec.duration
+        name = service_of(act)
+        return Waiting(
+            action_id=act.spec.action_id,
+            choices=dops,
+            enqueued_at=act.submitted_at,
+            profile=profile_of(act),
+            t_ori_s=hint.t_ori_s if hint else None,
+            parallel_fraction=hint.parallel_fraction if hint else None,
+            setup_s=tuple(gpu.grant_cost(facts, chunks, name, d) for d in dops),
+        )
+
+    def _start(self, node: Node, act: UnifiedAction, units: int, now: float) -> list[Effect]:
+        facts = _facts(node)
+        name = service_of(act)
+        chunks = gpu.free_chunks(gpu.usable(facts, node.free))
+        chunk = gpu.pick(chunks, units, gpu.resident_positions(facts, name, units))
+        if chunk is None:  # the policy arranged what the chunks cannot hold: wait
+            return []
+        gpus = gpu.gpus_of(facts, chunk)
+        node.free -= set(gpus)
+        aid = act.spec.action_id
+        del self.core.queue[aid]
+        act = msgspec.structs.replace(act, attempt=act.attempt + 1)
+        self.core.running[aid] = Dispatched(act, node.node_id, node.incarnation, gpus, now)
+        spec = self.services[name]
+        return [StartOnNode(node.node_id, act, (), node.incarnation, gpus=gpus, service=spec)]
+
+    # ------------------------------------------------------------------ failures
+
+    def on_failure(self, run: Dispatched, c: Completion, now: float) -> bool:
+        """Take a device failure's facts; True when the call goes back to the queue."""
+        kind = c.outcome.failure
+        node = self.core.nodes.get(run.node_id)
+        if kind is ErrorKind.DEVICE_LOST and node is not None and node.gpu is not None:
+            node.gpu.down |= set(run.cores)
+            return False
+        if kind is not ErrorKind.DEVICE_OOM or run.action.spec.action_id in self.oom_floor:
+            return False
+        larger = [d for d in self.services[service_of(run.action)].dops if d > len(run.cores)]
+        if not any(self._dops_at(run.action, d) for d in larger):
+            return False
+        aid = run.action.spec.action_id
+        self.oom_floor[aid] = min(larger)
+        self.core.queue = {aid: run.action, **self.core.queue}
+        return True
+
+    def _dops_at(self, act: UnifiedAction, dop: int) -> bool:
+        name = service_of(act)
+        return any(gpu.ready_dops(f, name, (dop,)) for f in self.facts().values())
+
+    def forget(self, action_id: str) -> None:
+        self.oom_floor.pop(action_id, None)
+
+    def learn(self, run: Dispatched, exec_s: float, restore_s: float) -> None:
+        """What a successful call took on its GPUs, restore excluded (that is placement's)."""
+        self.learner.observe(profile_of(run.action), len(run.cores), max(0.0, exec_s - restore_s))
+
+
+def _facts(node: Node) -> GpuFacts:
+    assert node.gpu is not None
+    return node.gpu
+
+
+def gpu_units(dop: int) -> IntArray:
+    return np.array([dop], dtype=np.int64)
+
+
+def _running_view(r: Dispatched) -> Running:
+    hint = r.action.spec.duration
+    return Running(
+        r.action.spec.action_id,
+        len(r.cores),
+        r.started_at,
+        profile=profile_of(r.action),
+        t_ori_s=hint.t_ori_s if hint else None,
+        parallel_fraction=hint.parallel_fraction if hint else None,
+    )

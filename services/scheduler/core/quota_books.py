@@ -1,0 +1,201 @@
+"""The quota core's records: a quota (its limiter, fair queue and counters), a live quota agent,
+an HTTP call in flight and a held lease; and the pure helpers that judge an agent's answer."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import msgspec
+
+from services.scheduler.core.effects import completed
+from services.scheduler.policies.quota_adaptive import AimdConfig
+from services.scheduler.policies.quota_fair import FairQueue
+from services.scheduler.policies.quota_limiter import Grant, Limiter
+from tangram.contract import (
+    ActionResult,
+    Allocation,
+    Completion,
+    ErrorKind,
+    HttpAction,
+    LeaseAction,
+    LeaseGrant,
+    Outcome,
+    QuotaSpec,
+    UnifiedAction,
+)
+
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class QuotaConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The quota core's timing, per-job weights (default 1) and AIMD tuning."""
+
+    node_timeout_s: PositiveFloat = 5.0
+    dispatch_grace_s: PositiveFloat = 3.0
+    kill_grace_s: PositiveFloat = 5.0
+    weights: dict[str, PositiveFloat] = {}
+    aimd: AimdConfig = AimdConfig()
+
+
+@dataclass
+class Quota:
+    """One declared quota and what it decides: who waits (fair across jobs) and who holds."""
+
+    spec: QuotaSpec
+    limiter: Limiter
+    queue: FairQueue[str]
+    calls: int = 0
+    throttled: int = 0
+
+    @classmethod
+    def new(cls, spec: QuotaSpec, cfg: QuotaConfig, now: float) -> Quota:
+        limiter = Limiter(spec, now=now, aimd=cfg.aimd)
+        return cls(spec, limiter, FairQueue(dict(cfg.weights)))
+
+    def learned_per_s(self) -> float | None:
+        """The tightest request rate in force now, per second (None: no request window)."""
+        f = self.limiter.adaptive.factor
+        rates = [w.declared * f / w.per_s for w in self.limiter.windows]
+        return min(rates, default=None)
+
+
+@dataclass
+class Agent:
+    """A live quota agent (a node whose inventory kind is ``quota``)."""
+
+    node_id: str
+    incarnation: str
+    last_seen: float
+    draining: bool = False
+    in_flight: int = 0
+
+
+@dataclass
+class Call:
+    """An HTTP call granted and dispatched: it holds ``grant`` until its agent reports."""
+
+    action: UnifiedAction  # attempt already bumped
+    quota: str
+    grant: Grant
+    node_id: str
+    incarnation: str
+    started_at: float
+    restored: bool = False  # rebuilt from Postgres: unconfirmed until its agent reports
+    confirmed: bool = False
+    kill_by: float | None = None
+
+
+@dataclass
+class Lease:
+    """A granted lease: its units stay held until released or ``expires_at`` (wall clock)."""
+
+    lease_id: str
+    quota: str
+    grant: Grant
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What a waiting action asks of its quota."""
+
+    quota: str
+    units: int
+    tokens: int
+    lease: bool
+
+
+def ask_of(action: UnifiedAction) -> Ask | None:
+    """The quota demand of an http or lease action (None for any other kind)."""
+    match action.spec.action:
+        case HttpAction(quota=quota, tokens=tokens):
+            return Ask(quota, 1, tokens, lease=False)
+        case LeaseAction(quota=quota, units=units, tokens=tokens):
+            return Ask(quota, units, tokens, lease=True)
+    return None
+
+
+def max_retries(action: UnifiedAction) -> int:
+    act = action.spec.action
+    return act.max_retries if isinstance(act, HttpAction) else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """How an agent's answer ends the attempt: ``retry`` it, or finish with ``failure``
+    (None: succeeded with the response)."""
+
+    retry: bool
+    failure: ErrorKind | None = None
+    detail: str = ""
+    status: int | None = field(default=None)
+
+
+def judge(outcome: Outcome, tries: int, retries: int) -> Verdict:
+    """A 429 or 5xx (or an unreachable upstream) is retried while ``tries <= retries``, then
+    fails ``rate_limited`` / ``upstream_failed``; any other response is the call's success; any
+    other failure (a refusal, a timeout, a kill) ends the action as reported."""
+    status = outcome.http.status if outcome.http is not None else None
+    retryable = status == 429 or (status is not None and status >= 500)
+    unreachable = outcome.failure is ErrorKind.UPSTREAM_FAILED and status is None
+    if not (retryable or unreachable):
+        return Verdict(False, outcome.failure, outcome.detail, status)
+    if tries <= retries:
+        return Verdict(True, status=status)
+    kind = ErrorKind.RATE_LIMITED if status == 429 else ErrorKind.UPSTREAM_FAILED
+    what = f"status {status}" if status is not None else f"unreachable ({outcome.detail})"
+    return Verdict(False, kind, f"upstream answered {what} on all {tries} tries", status)
+
+
+def reports(c: Completion, call: Call) -> bool:
+    """The completion is of this very dispatch (not an earlier attempt or another agent)."""
+    return bool(
+        call.node_id == c.node_id
+        and call.action.attempt == c.attempt
+        and call.incarnation == c.incarnation
+    )
+
+
+def call_result(call: Call, outcome: Outcome, judged: Verdict, now: float) -> ActionResult:
+    """An http action's result from its last call: ``tries`` counts every grant it took."""
+    http = outcome.http
+    if http is not None:
+        http = msgspec.structs.replace(http, tries=call.action.attempt)
+    facts = msgspec.structs.replace(
+        outcome, http=http, failure=judged.failure, detail=judged.detail
+    )
+    allocation = Allocation(node_id=call.node_id, quota=call.quota)
+    return completed(call.action, facts, allocation, now=now)
+
+
+def lease_result(action: UnifiedAction, lease: Lease, now: float) -> ActionResult:
+    """A granted lease: ``succeeded`` at once, carrying its grant (the lease id is the action
+    id, so a rebuild finds it in the action's stored result)."""
+    grant = LeaseGrant(
+        lease_id=lease.lease_id,
+        quota=lease.quota,
+        units=lease.grant.units,
+        expires_at=lease.expires_at,
+        tokens=lease.grant.tokens,
+    )
+    facts = Outcome(exit_code=0, started_at=now, finished_at=now)
+    result = completed(action, facts, Allocation(node_id="", quota=lease.quota), now=now)
+    return msgspec.structs.replace(result, exit_code=None, lease=grant)
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """Job weights for the quotas' fair share from ``"job=2,other=0.5"`` (unlisted jobs: 1),
+    or ValueError naming the bad entry."""
+    weights: dict[str, float] = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        job, sep, value = entry.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = math.nan
+        if not sep or not job.strip() or not 0 < weight < math.inf:
+            raise ValueError(f"bad job weight {entry!r}: want job=weight with weight > 0")
+        weights[job.strip()] = weight
+    return weights

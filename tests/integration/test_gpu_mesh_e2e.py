@@ -1,0 +1,117 @@
+"""Model services through the whole mesh: client.register_service and client.infer, outputs
+equal to the model called directly (also right after an eviction and restore), unknown
+services refused, and a kill -9 of the gpu_manager mid-call (re-queued, or node_died)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tangram import ErrorKind, ServiceSpec
+from tangram.client import Client
+from tangram.launcher import Mesh
+
+from ..support import eventually, running_mesh
+
+pytestmark = pytest.mark.slow
+
+MODULE = "tangram_e2e_models"
+CODE = textwrap.dedent(
+    """
+    import os, time, torch
+
+    def _mlp(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(4, 400), torch.nn.Tanh(), torch.nn.Linear(400, 400), torch.nn.Linear(400, 1))
+
+    def _handle(model, payloads):
+        return model(torch.tensor(payloads, dtype=torch.float32)).squeeze(1).tolist()
+
+    def judge():
+        return _mlp(1), _handle
+
+    def rival():
+        return _mlp(2), _handle
+
+    def stuck():
+        def handle(model, payloads):
+            open(os.environ["STUCK_MARKER"], "w").close()
+            time.sleep(60)
+            return _handle(model, payloads)
+        return _mlp(3), handle
+    """
+)
+
+
+@pytest.fixture
+async def mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / f"{MODULE}.py").write_text(CODE)
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(user), os.environ.get("PYTHONPATH", "")]),
+        "TANGRAM_GPU_BACKEND": "cpu",
+        "TANGRAM_GPU_CPU_DEVICES": "1",
+        "TANGRAM_GPU_CPU_BUDGET_MB": "1",  # judge and rival never fit together
+        "TANGRAM_GPU_HEARTBEAT_S": "0.5",
+        "TANGRAM_GPU_TORCH_THREADS": "1",
+        "STUCK_MARKER": str(tmp_path / "stuck"),
+    }
+    sys.path.insert(0, str(user))
+    try:
+        async with running_mesh(tmp_path / "mesh", env=env, gpu_manager=True) as m:
+            yield m
+    finally:
+        sys.path.remove(str(user))
+        sys.modules.pop(MODULE, None)
+
+
+def direct(name: str, x: list[float]) -> float:
+    model, handle = getattr(importlib.import_module(MODULE), name)()
+    return float(handle(model, [x])[0])
+
+
+async def test_infer_through_the_mesh_equals_the_model_also_after_eviction(mesh: Mesh, uid: str):
+    x = [0.5, -1.0, 0.25, 2.0]
+    async with Client.connect(mesh.nats_url) as client:
+        for name in ("judge", "rival"):
+            state = await client.register_service(ServiceSpec(name, f"{MODULE}:{name}"))
+            assert not state.error
+        results = [
+            await client.infer(name, x, job_id=uid, timeout_s=60)
+            for name in ("judge", "judge", "rival", "judge")
+        ]
+        unknown = await client.infer("nope", x, job_id=uid)
+        listed = {s.spec.name for s in await client.list_services()}
+    assert [r.status for r in results] == ["succeeded"] * 4, results
+    assert [r.output for r in results] == [
+        direct(n, x) for n in ("judge", "judge", "rival", "judge")
+    ]
+    assert results[3].timings is not None
+    assert results[3].timings.restore_s > 0  # rival evicted judge
+    assert results[0].allocation is not None
+    assert results[0].allocation.gpus == (0,)
+    assert unknown.error is not None
+    assert unknown.error.kind is ErrorKind.INVALID_REQUEST
+    assert listed >= {"judge", "rival"}
+
+
+async def test_kill_9_of_the_gpu_manager_mid_call(mesh: Mesh, uid: str, tmp_path: Path):
+    async with Client.connect(mesh.nats_url) as client:
+        await client.register_service(ServiceSpec("stuck", f"{MODULE}:stuck"))
+        spec_id = f"{uid}-stuck"
+        fut = client.infer("stuck", [0.0] * 4, job_id=uid, action_id=spec_id, timeout_s=120)
+        task = asyncio.ensure_future(fut)
+        await eventually((tmp_path / "stuck").exists, what="the call to run", timeout_s=60)
+        await mesh.kill("gpu_manager")
+        res = await asyncio.wait_for(task, 60)
+    assert res.status == "failed"
+    assert res.error is not None
+    assert res.error.kind is ErrorKind.NODE_DIED  # it may have run: never silently re-run

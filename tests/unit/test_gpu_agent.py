@@ -1,0 +1,313 @@
+"""The gpu_manager agent (runtime + GPU executor on CPU devices) on the in-memory bus, with a
+fake scheduler: registration, Prepare, calls, eviction and restore, batching, failures."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+
+from services.gpu_manager.batching import Output, fault_of
+from services.gpu_manager.config import GpuManagerConfig
+from services.gpu_manager.executor import GpuExecutor
+from services.gpu_manager.outcomes import outcome_of
+from services.gpu_manager.service import node_agent
+from tangram import subjects
+from tangram.agent import Agent
+from tangram.contract import (
+    Ack,
+    ActionSpec,
+    Completion,
+    Dispatch,
+    ErrorKind,
+    ExecAction,
+    InferAction,
+    Kill,
+    NodeMessage,
+    NodeReport,
+    Outcome,
+    Prepare,
+    PreparedService,
+    ServiceSpec,
+    UnifiedAction,
+)
+from tangram.membus import MemoryBroker
+
+from .. import gpu_models
+from ..support import eventually
+
+M = "tests.gpu_models"
+
+
+class FakeScheduler:
+    """Hears what the agent says and acks it."""
+
+    def __init__(self) -> None:
+        self.heard: list[NodeMessage] = []
+
+    async def on_node(self, msg: NodeMessage, _raw: Any) -> Ack:
+        self.heard.append(msg)
+        return Ack()
+
+    def reports(self) -> list[NodeReport]:
+        return [m for m in self.heard if isinstance(m, NodeReport)]
+
+    def outcome(self, action_id: str) -> Outcome | None:
+        done = [m for m in self.heard if isinstance(m, Completion) and m.action_id == action_id]
+        return done[0].outcome if done else None
+
+    def service(self, name: str) -> PreparedService | None:
+        reports = self.reports()
+        found = [s for s in reports[-1].services if s.name == name] if reports else []
+        return found[0] if found else None
+
+
+class Node:
+    def __init__(self, agent: Agent, scheduler: FakeScheduler, sbus: Any) -> None:
+        self.agent, self.scheduler, self.sbus = agent, scheduler, sbus
+
+    @property
+    def executor(self) -> GpuExecutor:
+        assert isinstance(self.agent.executor, GpuExecutor)
+        return self.agent.executor
+
+    async def send(self, cmd: Any) -> None:
+        await self.sbus.request(subjects.node("g0"), cmd, timeout=5)
+
+    async def prepare(self, *specs: ServiceSpec) -> None:
+        await self.send(Prepare(services=specs, epoch=1))
+        for s in specs:
+            await eventually(lambda s=s: self.scheduler.service(s.name), what=f"{s.name} report")
+
+    async def call(
+        self, aid: str, service: str, payload: Any, gpus: tuple[int, ...] = (0,)
+    ) -> None:
+        await self.send(infer(aid, service, payload, gpus))
+
+    async def outcome(self, aid: str) -> Outcome:
+        return await eventually(lambda: self.scheduler.outcome(aid), what=f"outcome of {aid}")
+
+
+def infer(
+    aid: str,
+    service: str,
+    payload: Any,
+    gpus: tuple[int, ...] = (0,),
+    spec: ServiceSpec | None = None,
+    action: Any = None,
+    incarnation: str = "inc",
+) -> Dispatch:
+    a = ActionSpec(
+        action_id=aid,
+        job_id="j",
+        trajectory_id="",
+        action=action or InferAction(service=service, payload=payload),
+        timeout_s=30,
+    )
+    ua = UnifiedAction(
+        spec=a, demands=(), key_resource="gpu", env_memory_mb=0, submitted_at=0.0, attempt=1
+    )
+    return Dispatch(action=ua, epoch=1, incarnation=incarnation, gpus=gpus, service=spec)
+
+
+@pytest.fixture
+async def node() -> AsyncIterator[Node]:
+    broker = MemoryBroker()
+    scheduler, sbus = FakeScheduler(), broker.connect("scheduler")
+    sbus.serve(subjects.SCHED_NODES, scheduler.on_node, max_in_flight=100)
+    await sbus.start()
+    bus = broker.connect("agent")
+    cfg = GpuManagerConfig(node_id="g0", backend="cpu", cpu_budget_mb=1, heartbeat_s=0.05)
+    agent = node_agent(bus, cfg, incarnation="inc")
+    await agent.start()
+    try:
+        yield Node(agent, scheduler, sbus)
+    finally:
+        gpu_models.GATE.set()
+        await agent.stop(1.0)
+        await bus.close()
+        await sbus.close()
+
+
+def direct(factory: Any, payload: Any) -> Any:
+    model, handle = factory()
+    return handle(model, [payload])[0]
+
+
+async def test_registers_cpu_devices_with_measured_bandwidth(node: Node):
+    report = await eventually(node.scheduler.reports, what="registration")
+    inv = report[0].inventory
+    assert inv.kind == "gpu"
+    assert [(g.index, g.memory_mb) for g in inv.gpus] == [(0, 1), (1, 1)]
+    assert inv.restore_gb_per_s > 0
+
+
+async def test_prepare_reports_ready_and_failed_services_and_the_agent_lives_on(node: Node):
+    ok = ServiceSpec("ok", f"{M}:mlp_service", dops=(1, 2))
+    bad = ServiceSpec("bad", f"{M}:raising_service")
+    gone = ServiceSpec("gone", "no_such_module_xyz:factory")
+    await node.prepare(ok, bad, gone)
+    assert [(s.dop, s.error) for s in node.scheduler.reports()[-1].services if s.name == "ok"] == [
+        (1, ""),
+        (2, ""),
+    ]
+    assert node.scheduler.service("ok").footprint_mb >= 1  # type: ignore[union-attr]
+    assert "no such checkpoint" in node.scheduler.service("bad").error  # type: ignore[union-attr]
+    assert "cannot be imported" in node.scheduler.service("gone").error  # type: ignore[union-attr]
+    await node.call("a1", "bad", [0.0] * 8)
+    out = await node.outcome("a1")
+    assert out.failure is ErrorKind.INVALID_REQUEST
+    assert "no such checkpoint" in out.detail
+    await node.call("a2", "ok", [0.0] * 8)
+    assert (await node.outcome("a2")).output == direct(gpu_models.mlp_service, [0.0] * 8)
+
+
+async def test_outputs_equal_the_model_called_directly_also_after_eviction(node: Node):
+    a = ServiceSpec("a", f"{M}:wide_a")
+    b = ServiceSpec("b", f"{M}:wide_b")
+    await node.prepare(a, b)
+    x = [0.5] * 8
+    for aid, svc in [("c1", "a"), ("c2", "a"), ("c3", "b"), ("c4", "a")]:
+        await node.call(aid, svc, x)
+        await node.outcome(aid)
+    o1, o2, o3, o4 = [node.scheduler.outcome(f"c{i}") for i in range(1, 5)]
+    assert None not in (o1, o2, o3, o4)
+    assert o1 and o2 and o3 and o4  # noqa: PT018 (narrows the types)
+    assert o1.output == o2.output == o4.output == direct(gpu_models.wide_a, x)  # bit-exact
+    assert o3.output == direct(gpu_models.wide_b, x)
+    assert o1.restore_s > 0
+    assert o2.restore_s == 0  # resident
+    assert o4.restore_s > 0  # b evicted a: one device of 1 MB holds one of them
+    await eventually(lambda: node.scheduler.service("a").resident == (0,), what="a resident")  # type: ignore[union-attr]
+    assert node.scheduler.service("b").resident == ()  # type: ignore[union-attr]
+
+
+async def test_concurrent_calls_are_coalesced_into_one_batch(node: Node):
+    await node.prepare(ServiceSpec("slow", f"{M}:slow_service", max_batch=3))
+    gpu_models.BATCH_SIZES.clear()
+    gpu_models.GATE.clear()
+    await node.call("s0", "slow", [0.0] * 8)
+    await eventually(lambda: gpu_models.BATCH_SIZES == [1], what="the first batch to run")
+    for i in range(1, 6):
+        await node.call(f"s{i}", "slow", [float(i)] * 8)
+    await eventually(lambda: len(node.executor.former) == 5, what="the calls to queue")
+    assert node.executor.residency.busy == {0: node.executor.residency.busy[0]}  # one device
+    gpu_models.GATE.set()
+    outs = [await node.outcome(f"s{i}") for i in range(6)]
+    assert gpu_models.BATCH_SIZES == [1, 3, 2]
+    assert all(o.exit_code == 0 for o in outs)
+
+
+async def test_a_queued_call_is_cancelled_by_kill_and_a_running_one_finishes(node: Node):
+    await node.prepare(ServiceSpec("slow", f"{M}:slow_service"))
+    gpu_models.GATE.clear()
+    await node.call("k0", "slow", [0.0] * 8)
+    await eventually(lambda: node.executor.residency.busy, what="k0 to run")
+    await node.call("k1", "slow", [0.0] * 8)
+    await eventually(lambda: len(node.executor.former) == 1, what="k1 to queue")
+    await node.send(Kill(action_id="k1", epoch=1))
+    await node.send(Kill(action_id="k0", epoch=1))
+    k1 = await node.outcome("k1")
+    assert k1.failure is ErrorKind.CANCELLED
+    gpu_models.GATE.set()
+    k0 = await node.outcome("k0")
+    assert k0.failure is ErrorKind.CANCELLED  # it ran to its end; the kill is what is reported
+
+
+async def test_a_handler_exception_is_the_calls_own_failure_and_spares_its_batch(node: Node):
+    await node.prepare(ServiceSpec("picky", f"{M}:picky_service"))
+    await node.call("p0", "picky", "bad")
+    await node.call("p1", "picky", [1.0] * 8)
+    bad, good = await node.outcome("p0"), await node.outcome("p1")
+    assert bad.failure is None
+    assert bad.exit_code == 1
+    assert "is not a feature vector" in bad.stderr
+    assert "Traceback" in bad.stderr
+    assert good.exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("factory", "kind", "words"),
+    [
+        ("chatty_service", ErrorKind.INVALID_REQUEST, "exceeds max_output_bytes=65536"),
+        ("unencodable_service", None, "not a msgpack value"),
+    ],
+)
+async def test_bad_outputs_fail_clearly(node: Node, factory: str, kind: ErrorKind, words: str):
+    await node.prepare(ServiceSpec("s", f"{M}:{factory}"))
+    await node.call("o", "s", 1)
+    out = await node.outcome("o")
+    assert out.failure is kind
+    assert words in out.detail
+
+
+@pytest.mark.parametrize(
+    ("dispatch", "words"),
+    [
+        (infer("u", "nope", 1), "'nope' is not prepared here"),
+        (infer("g", "m", 1, gpus=(1, 2)), "not a chunk"),
+        (infer("h", "m", 1, gpus=(7,)), "not a chunk"),
+        (infer("d", "m", 1, gpus=(0, 1)), "no DoP-2 variant"),
+        (infer("e", "m", 1, action=ExecAction(command="ls")), "runs infer actions, not exec"),
+    ],
+)
+async def test_bad_dispatches_are_refused_as_invalid(node: Node, dispatch: Dispatch, words: str):
+    await node.prepare(ServiceSpec("m", f"{M}:mlp_service"))
+    await node.send(dispatch)
+    out = await node.outcome(dispatch.action.spec.action_id)
+    assert out.failure is ErrorKind.INVALID_REQUEST
+    assert words in out.detail
+
+
+async def test_a_dispatch_carrying_an_unprepared_spec_prepares_it_first(node: Node):
+    spec = ServiceSpec("late", f"{M}:tiny_service")
+    await node.send(infer("l", "late", [1.0] * 4, spec=spec))
+    assert (await node.outcome("l")).output == direct(gpu_models.tiny_service, [1.0] * 4)
+
+
+@pytest.mark.parametrize(
+    ("exc", "fault"),
+    [
+        (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"), "oom"),
+        (MemoryError(), "oom"),
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), "device"),
+        (RuntimeError("NVML_SUCCESS == r INTERNAL ASSERT FAILED"), "device"),
+        (ValueError("bad payload"), "handler"),
+    ],
+)
+def test_failures_are_told_apart(exc: BaseException, fault: str):
+    assert fault_of(exc) == fault
+
+
+def test_device_failures_map_to_their_kinds():
+    spec = ServiceSpec("s", f"{M}:mlp_service")
+    times = {"started": 1.0, "finished": 2.0, "restore_s": 0.0}
+    oom = outcome_of(Output("a", error="oom", fault="oom"), spec, **times)
+    lost = outcome_of(Output("a", error="gone", fault="device"), spec, **times)
+    assert (oom.failure, lost.failure) == (ErrorKind.DEVICE_OOM, ErrorKind.DEVICE_LOST)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_a_call_runs_on_a_cuda_device():  # pragma: no cover - needs a GPU
+    broker = MemoryBroker()
+    scheduler, sbus = FakeScheduler(), broker.connect("scheduler")
+    sbus.serve(subjects.SCHED_NODES, scheduler.on_node, max_in_flight=100)
+    await sbus.start()
+    bus = broker.connect("agent")
+    agent = node_agent(bus, GpuManagerConfig(node_id="g0", backend="nvml"), incarnation="inc")
+    await agent.start()
+    try:
+        node = Node(agent, scheduler, sbus)
+        assert node.executor.devices.kind == "cuda"
+        await node.prepare(ServiceSpec("m", f"{M}:mlp_service"))
+        await node.call("c", "m", [0.0] * 8)
+        out = await node.outcome("c")
+        assert out.exit_code == 0
+        assert out.restore_s > 0
+    finally:
+        await agent.stop(1.0)
+        await bus.close()
+        await sbus.close()
