@@ -57,10 +57,12 @@ bench-scheduler: setup
 	$(BIN)/python -m bench.decision_latency
 	$(BIN)/python -m bench.figures
 
-bench-gpu: setup  ## restore bandwidth against the copy limit, per-call overhead, batching
+bench-gpu: setup  ## restore bandwidth, per-call overhead, batching; Figure 8(b) (simulated)
 	$(BIN)/python -m bench.gpu
+	$(BIN)/python -m bench.fig8b
 
-bench-quota: setup  ## the DeepSearch quota comparison (simulated provider)
+bench-quota: setup  ## quotas against a real rate-limited server; DeepSearch (simulated)
+	$(BIN)/python -m bench.quota
 	$(BIN)/python -m bench.deepsearch
 
 bench-docker: setup docker-engine

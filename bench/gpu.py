@@ -7,28 +7,48 @@
   payload conversion) on a resident tiny model over the model's bare forward time (p50);
 - calls/s of a tiny model with dynamic batching on and off.
 
+Through the mesh (a real one: NATS, Postgres, gateway, scheduler, gpu_manager on one CPU
+"device"), with the tiny model registered as a service:
+
+- per-call system overhead, calls sequential and the service resident: the completion the
+  client measures (submit -> result) minus the agent's exec timing of the call (its batch's
+  forward pass, thread hop included), p50/p99;
+- calls/s with 64 concurrent callers, ``max_batch=1`` (batching off) vs ``max_batch=32``, and
+  the calls per forward pass the agent reports (``ServiceState.calls / batches``).
+
 Runs on torch's CPU device here (no GPU), with few torch threads: the machine is shared.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import uvloop
 
 from services.gpu_manager.batching import BatchFormer, Call, run_batch
 from services.gpu_manager.host_copy import HostCopy
+from tangram import ServiceSpec, ServiceState
+from tangram.client import Client
+from tangram.launcher import Mesh, MeshOptions
 from tests import gpu_models
 
 OUT = Path(__file__).parent / "results" / "gpu.json"
 THREADS = 1
 REPS = 7
+MESH_FACTORY = "services.gpu_manager.examples:tiny_service"
+MESH_SEQUENTIAL = 300
+MESH_CALLERS = 64
+MESH_PER_CALLER = 20
+WARM = 20
 
 
 def _seconds(fn: Callable[[], object]) -> float:
@@ -126,6 +146,118 @@ def calls_per_s(max_batch: int, n: int = 4000) -> float:
     return done / (time.perf_counter() - t0)
 
 
+def _pct(xs: list[float], p: int) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[p - 1]
+
+
+async def _infer(client: Client, service: str, i: int) -> tuple[float, float]:
+    """One call: (client-measured completion, the agent's exec timing), in seconds."""
+    t0 = time.perf_counter()
+    res = await client.infer(service, [0.1 * (i % 7)] * 4, job_id="bench-gpu", timeout_s=120)
+    total = time.perf_counter() - t0
+    if res.status != "succeeded" or res.timings is None:
+        raise RuntimeError(f"call {i} to {service} failed: {res.error}")
+    return total, res.timings.exec_s
+
+
+async def _state(client: Client, name: str) -> ServiceState:
+    (state,) = [s for s in await client.list_services() if s.spec.name == name]
+    return state
+
+
+async def _register(client: Client, name: str, max_batch: int) -> None:
+    spec = ServiceSpec(name, MESH_FACTORY, max_batch=max_batch)
+    state = await client.register_service(spec)
+    if state.error:
+        raise RuntimeError(f"registering {name}: {state.error}")
+    for i in range(WARM):  # restore it and warm the path
+        await _infer(client, name, i)
+    await _counted(client, name, WARM)  # its counters from here on are the run's
+
+
+async def mesh_overhead(client: Client, n: int = MESH_SEQUENTIAL) -> dict[str, Any]:
+    await _register(client, "tiny-seq", 1)
+    samples = [await _infer(client, "tiny-seq", i) for i in range(n)]
+    totals = [t for t, _ in samples]
+    overheads = [max(0.0, t - e) for t, e in samples]
+    return {
+        "calls": n,
+        "completion_ms": {"p50": _ms(_pct(totals, 50)), "p99": _ms(_pct(totals, 99))},
+        "agent_exec_ms_p50": _ms(_pct([e for _, e in samples], 50)),
+        "overhead_ms": {"p50": _ms(_pct(overheads, 50)), "p99": _ms(_pct(overheads, 99))},
+    }
+
+
+async def mesh_calls_per_s(client: Client, max_batch: int) -> dict[str, Any]:
+    name = f"tiny-b{max_batch}"
+    await _register(client, name, max_batch)
+    before = await _state(client, name)
+
+    async def caller(c: int) -> list[tuple[float, float]]:
+        return [await _infer(client, name, c * MESH_PER_CALLER + i) for i in range(MESH_PER_CALLER)]
+
+    t0 = time.perf_counter()
+    done = await asyncio.gather(*(caller(c) for c in range(MESH_CALLERS)))
+    wall = time.perf_counter() - t0
+    calls = MESH_CALLERS * MESH_PER_CALLER
+    after = await _counted(client, name, before.calls + calls)
+    totals = [t for run in done for t, _ in run]
+    batches = after.batches - before.batches
+    return {
+        "max_batch": max_batch,
+        "calls": calls,
+        "calls_per_s": round(calls / wall, 1),
+        "completion_ms_p50": _ms(_pct(totals, 50)),
+        "forward_passes": batches,
+        "calls_per_forward_pass": round(calls / max(1, batches), 2),
+    }
+
+
+async def _counted(client: Client, name: str, calls: int) -> ServiceState:
+    """The service's counters once the agent's heartbeats have reported ``calls``."""
+    for _ in range(100):
+        state = await _state(client, name)
+        if state.calls >= calls:
+            return state
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{name}: the agent reported {state.calls} calls, not {calls}")
+
+
+def _ms(s: float) -> float:
+    return round(1000 * s, 3)
+
+
+async def through_the_mesh() -> dict[str, Any]:
+    env = {
+        "TANGRAM_GPU_BACKEND": "cpu",
+        "TANGRAM_GPU_CPU_DEVICES": "1",
+        "TANGRAM_GPU_CPU_BUDGET_MB": "64",
+        "TANGRAM_GPU_TORCH_THREADS": str(THREADS),
+        "TANGRAM_GPU_HEARTBEAT_S": "0.5",
+        "TANGRAM_GATEWAY_MAX_IN_FLIGHT": "100000",
+    }
+    with tempfile.TemporaryDirectory(prefix="tangram-bench-gpu-") as tmp:
+        opts = MeshOptions(
+            state_dir=Path(tmp), backend="process", env=env, quota_manager=False, quiet=True
+        )
+        async with Mesh(opts) as mesh, Client.connect(mesh.nats_url) as client:
+            overhead = await mesh_overhead(client)
+            off = await mesh_calls_per_s(client, 1)
+            on = await mesh_calls_per_s(client, 32)
+    return {
+        "what": "a tiny model (examples.tiny_service) as a registered service, through client "
+        "-> gateway -> scheduler -> gpu_manager (1 CPU device, 1 torch thread) -> client; "
+        "Postgres fsync on",
+        "sequential_resident": overhead,
+        "concurrent": {
+            "callers": MESH_CALLERS,
+            "max_batch_1": off,
+            "max_batch_32": on,
+            "speedup": round(on["calls_per_s"] / off["calls_per_s"], 2),
+        },
+    }
+
+
 def main() -> None:
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
@@ -136,6 +268,7 @@ def main() -> None:
             "calls_per_s_max_batch_1": round(calls_per_s(1)),
             "calls_per_s_max_batch_64": round(calls_per_s(64)),
         },
+        "mesh": uvloop.run(through_the_mesh()),
         "machine": {
             "torch": torch.__version__,
             "cuda": torch.cuda.is_available(),

@@ -8,6 +8,7 @@ thread. Whatever the factory does wrong becomes the entry's ``error``; it is nev
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.gpu_manager.host_copy import HostCopy, Resident
@@ -50,6 +51,14 @@ def prepare(spec: ServiceSpec, *, pin: bool | None = None) -> Prepared:
     return Prepared(spec, copy, built.handle)
 
 
+@dataclass(slots=True)
+class Ran:
+    """What a variant ran since the agent started: calls, and the batches they formed."""
+
+    calls: int = 0
+    batches: int = 0
+
+
 def variant(name: str, dop: int) -> str:
     """The residency key of a DoP variant: each is a distinct service on the devices (§5.3)."""
     return f"{name}/{dop}"
@@ -79,9 +88,11 @@ class Catalog:
     def get(self, name: str) -> Prepared | None:
         return self.entries.get(name)
 
-    def reports(self, resident: dict[str, list[tuple[int, int]]]) -> tuple[PreparedService, ...]:
-        """One report per service and DoP variant: ready with its footprint and where it is
-        resident (GPU indices), or its error."""
+    def reports(
+        self, resident: dict[str, list[tuple[int, int]]], ran: Mapping[str, Ran] | None = None
+    ) -> tuple[PreparedService, ...]:
+        """One report per service and DoP variant: ready with its footprint, where it is
+        resident (GPU indices) and the calls and batches it ran (``ran``), or its error."""
         out: list[PreparedService] = []
         for name in sorted(self.entries):
             e = self.entries[name]
@@ -89,5 +100,6 @@ class Catalog:
                 chunks = resident.get(variant(name, dop), [])
                 devices = tuple(sorted(d for s, n in chunks for d in range(s, s + n)))
                 mb = -(-e.nbytes // MB)
-                out.append(PreparedService(name, dop, mb, devices, e.error))
+                r = (ran or {}).get(variant(name, dop), Ran())
+                out.append(PreparedService(name, dop, mb, devices, e.error, r.calls, r.batches))
         return tuple(out)

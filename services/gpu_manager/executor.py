@@ -4,8 +4,10 @@ Each dispatched call waits in a lane (its service's DoP variant on its granted c
 any chunk when the dispatch names none). Whenever a lane's chunk is free, up to ``max_batch``
 of its calls run as one forward pass: the residency core grants the chunk (at most one batch
 per device at a time), plans the LRU evictions that make room, and says whether the service
-must be restored from its host copy. Everything torch does runs in worker threads (one per
-device); the event loop only moves calls and results.
+must be restored from its host copy. The scheduler sends calls of a service to a chunk that
+runs it (up to ``max_batch`` at a time): those that arrive while a batch runs form the next.
+Everything torch does runs in worker threads (one per device); the event loop only moves calls
+and results. Each variant's calls and batches are counted and reported in heartbeats.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from services.gpu_manager import catalog, devices
 from services.gpu_manager.batching import Batch, BatchFormer, Call, Output, run_batch
-from services.gpu_manager.catalog import Catalog, Prepared, variant
+from services.gpu_manager.catalog import Catalog, Prepared, Ran, variant
 from services.gpu_manager.config import GpuManagerConfig
 from services.gpu_manager.devices import Chunk
 from services.gpu_manager.outcomes import chunk_of, outcome_of, refused
@@ -71,6 +73,7 @@ class GpuExecutor:
         self.devices = devices.Inventory("none", ())
         self.residency = Residency(())
         self.lanes: dict[str, Lane] = {}
+        self.ran: dict[str, Ran] = {}  # variant -> calls and batches run (in heartbeats)
         self._waiters: dict[str, asyncio.Future[Outcome]] = {}
         self._batches: set[asyncio.Task[None]] = set()
         self._ids = itertools.count()
@@ -121,7 +124,7 @@ class GpuExecutor:
                 self.residency.cached.pop(p, None)
 
     def services(self) -> tuple[PreparedService, ...]:
-        return self.catalog.reports(snapshot(self.residency))
+        return self.catalog.reports(snapshot(self.residency), self.ran)
 
     # ------------------------------------------------------------------ calls
 
@@ -256,7 +259,10 @@ class GpuExecutor:
             outs = _restore_failed(batch, exc)
         finally:
             self.residency.release(grant.action_id, self.clock(), resident=ok)
-        if not ok:
+        if ok:
+            ran = self.ran.setdefault(grant.placement.service, Ran())
+            ran.calls, ran.batches = ran.calls + len(batch.calls), ran.batches + 1
+        else:
             self.catalog.loaded.pop(grant.placement, None)
         finished = self.clock()
         for out in outs:

@@ -3,7 +3,9 @@
 Every hop is checked by :mod:`~services.quota_manager.reach` before it is made: the URL
 (scheme, allow-list, IP literals), then the address the name resolves to, inside the
 connector's own resolver (:class:`GuardedResolver`), so the address checked is the address
-connected to (no DNS rebinding between a check and the connect). Redirects are followed here,
+connected to (no DNS rebinding between a check and the connect). The moment each request goes
+out (its headers written, after the connection is ready) is noted in :class:`Sent`: the quota's
+windows count sends, since that is what the provider counts. Redirects are followed here,
 not by aiohttp, each target checked by the same rule, at most ``MAX_REDIRECTS``. The body read
 is capped; ``Set-Cookie`` never leaves the agent and no cookie is ever kept between calls.
 """
@@ -11,7 +13,10 @@ is capped; ``Set-Cookie`` never leaves the agent and no cookie is ever kept betw
 from __future__ import annotations
 
 import socket
+import time
 from collections import OrderedDict
+from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Final, NamedTuple
 
 import aiohttp
@@ -57,6 +62,17 @@ class Answer(NamedTuple):
     tokens_used: int | None
 
 
+class Sent:
+    """When the latest request of a call went out (None: never), on ``clock``."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.at: float | None = None
+
+    def mark(self) -> None:
+        self.at = self.clock()
+
+
 class AddressRefused(OSError):
     """A resolved address the quota may not reach (aiohttp wraps it in a connector error)."""
 
@@ -89,16 +105,24 @@ class GuardedResolver(AbstractResolver):
 class Upstream:
     """Sessions to the upstreams, one per (allow-list, scheme), and the guarded call."""
 
-    def __init__(self, *, max_connections: int = 1024, connect_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        *,
+        max_connections: int = 1024,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
         self.max_connections = max_connections
         self.connect_timeout_s = connect_timeout_s
+        self._trace = aiohttp.TraceConfig()
+        self._trace.on_request_headers_sent.append(self._headers_sent)
         self._sessions: OrderedDict[tuple[tuple[str, ...], str], aiohttp.ClientSession] = (
             OrderedDict()
         )
 
-    async def fetch(self, call: Call) -> Answer:
-        """Make ``call``, following allowed redirects; InvalidRequest when a hop is refused,
-        aiohttp/OS errors when the upstream cannot be reached."""
+    async def fetch(self, call: Call, sent: Sent | None = None) -> Answer:
+        """Make ``call``, following allowed redirects, noting in ``sent`` when each request
+        went out; InvalidRequest when a hop is refused, aiohttp/OS errors when the upstream
+        cannot be reached."""
         check_headers(call.headers)
         check_body(call.body)
         target = check_url(call.url, call.hosts)
@@ -112,6 +136,7 @@ class Upstream:
                 headers=call.headers,
                 data=body or None,
                 allow_redirects=False,
+                trace_request_ctx=sent,
             ) as resp:
                 location = resp.headers.get("Location")
                 if resp.status not in REDIRECTS or location is None:
@@ -119,6 +144,14 @@ class Upstream:
             target = check_redirect(location, target.url, call.hosts)
             method, body = redirected(resp.status, method, body)
         raise InvalidRequest(f"too many redirects (more than {MAX_REDIRECTS})")
+
+    async def _headers_sent(
+        self, session: aiohttp.ClientSession, ctx: SimpleNamespace, params: object
+    ) -> None:
+        # Called as the request's headers are handed to the connection, right before writing.
+        sent = ctx.trace_request_ctx
+        if isinstance(sent, Sent):
+            sent.mark()
 
     async def close(self) -> None:
         while self._sessions:
@@ -146,6 +179,7 @@ class Upstream:
             connector=connector,
             cookie_jar=aiohttp.DummyCookieJar(),
             trust_env=False,
+            trace_configs=[self._trace],
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
         )
 

@@ -2,9 +2,11 @@
 
 The scheduler's quota core decides when a call may go (limits, fair queue, learned rate) and
 whether to retry; this agent makes exactly ONE call per dispatch and reports what it saw
-(``Outcome.http``, ``tokens_used``). The quota's API key is read from this process's
-environment (the variable ``quota.api_key_env`` names) and sent as ``Authorization: Bearer``;
-it is never logged, never in an Outcome, and the request headers are recorded nowhere.
+(``Outcome.http``, ``tokens_used``; ``started_at`` is when the request went out, or when the
+attempt began if it never did: the quota's windows count sends). The quota's API key is read
+from this process's environment (the variable ``quota.api_key_env`` names) and sent as
+``Authorization: Bearer``; it is never logged, never in an Outcome, and the request headers are
+recorded nowhere.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from services.quota_manager import config
 from services.quota_manager.config import QuotaManagerConfig
-from services.quota_manager.http import AddressRefused, Call, Upstream
+from services.quota_manager.http import AddressRefused, Call, Sent, Upstream
 from tangram.agent import Agent, AgentConfig
 from tangram.bus import BaseBus, open_bus
 from tangram.config import MeshConfig
@@ -74,7 +77,8 @@ class HttpExecutor:
         except InvalidRequest as exc:
             return self._failed(ErrorKind.INVALID_REQUEST, str(exc), started)
         aid = dispatch.action.spec.action_id
-        task = asyncio.get_running_loop().create_task(self._call(call, key, timeout_s, started))
+        sent = Sent(self.clock)  # a killed call may have gone out too
+        task = asyncio.get_running_loop().create_task(self._call(call, key, timeout_s, sent))
         self._calls[aid] = task
         try:
             await asyncio.wait([task])
@@ -82,7 +86,7 @@ class HttpExecutor:
             self._calls.pop(aid, None)
             task.cancel()
         if task.cancelled():
-            return self._failed(ErrorKind.CANCELLED, "call killed", started)
+            return self._failed(ErrorKind.CANCELLED, "call killed", sent.at or started)
         return task.result()
 
     async def kill(self, action_id: str) -> None:
@@ -127,30 +131,37 @@ class HttpExecutor:
             )
         return key
 
-    async def _call(self, call: Call, key: str, timeout_s: float, started: float) -> Outcome:
+    async def _call(self, call: Call, key: str, timeout_s: float, sent: Sent) -> Outcome:
+        """The call's facts; ``started_at`` is when its request went out (if it never did,
+        when the attempt began)."""
+        began = self.clock()
+        outcome = await self._fetch(call, key, timeout_s, sent)
+        started = began if sent.at is None else sent.at
+        return msgspec.structs.replace(outcome, started_at=started, finished_at=self.clock())
+
+    async def _fetch(self, call: Call, key: str, timeout_s: float, sent: Sent) -> Outcome:
         try:
             async with asyncio.timeout(timeout_s):
-                got = await self.upstream.fetch(call)
+                got = await self.upstream.fetch(call, sent)
         except InvalidRequest as exc:
-            return self._failed(ErrorKind.INVALID_REQUEST, _scrub(str(exc), key), started)
+            return _failure(ErrorKind.INVALID_REQUEST, _scrub(str(exc), key))
         except TimeoutError:
             why = f"no answer from the upstream within {timeout_s:g}s"
-            return self._failed(ErrorKind.EXEC_TIMEOUT, why, started)
+            return _failure(ErrorKind.EXEC_TIMEOUT, why)
         except aiohttp.ClientConnectorError as exc:
             if isinstance(exc.os_error, AddressRefused):
-                return self._failed(ErrorKind.INVALID_REQUEST, str(exc.os_error), started)
-            return self._failed(ErrorKind.UPSTREAM_FAILED, _scrub(_said(exc), key), started)
+                return _failure(ErrorKind.INVALID_REQUEST, str(exc.os_error))
+            return _failure(ErrorKind.UPSTREAM_FAILED, _scrub(_said(exc), key))
         except (aiohttp.ClientError, OSError) as exc:
-            return self._failed(ErrorKind.UPSTREAM_FAILED, _scrub(_said(exc), key), started)
-        return Outcome(
-            http=got.response,
-            tokens_used=got.tokens_used,
-            started_at=started,
-            finished_at=self.clock(),
-        )
+            return _failure(ErrorKind.UPSTREAM_FAILED, _scrub(_said(exc), key))
+        return Outcome(http=got.response, tokens_used=got.tokens_used)
 
     def _failed(self, kind: ErrorKind, detail: str, started: float) -> Outcome:
         return Outcome(failure=kind, detail=detail, started_at=started, finished_at=self.clock())
+
+
+def _failure(kind: ErrorKind, detail: str) -> Outcome:
+    return Outcome(failure=kind, detail=detail)
 
 
 def _said(exc: BaseException) -> str:

@@ -8,7 +8,9 @@ across a restart. What is not persisted: the true-up of tokens (the rebuilt toke
 the reservations), a lease's release (a lease granted before the restart holds its units again
 until its TTL runs out; a ``ReleaseLease`` after the restart frees it as usual), and the learned
 AIMD factor and pause (a quota restarts from its declared rates and learns again from the next
-429). Calls in flight (``running`` http actions) hold their unit until their agent reports.
+429). Calls in flight (``running`` http actions) and live leases hold their unit until their
+agent reports (or the lease ends) and count in the windows until then, besides their rebuilt grant
+(when they were sent is unknown: counted twice for one window, never too little).
 """
 
 from __future__ import annotations

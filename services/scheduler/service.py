@@ -112,6 +112,7 @@ class Scheduler(Service):
         self._dirty = asyncio.Event()
         self.registrations = gpu_shell.Registrations()
         self._waits_logged: dict[str, str] = {}  # the placement waits already logged
+        self._quota_wake: asyncio.TimerHandle | None = None  # see _arm_quota_wake
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -131,7 +132,6 @@ class Scheduler(Service):
         self.spawn(self._decide_loop(), "decide")
         self.spawn(self._tick_loop(), "tick")
         self.spawn(self._sweep_loop(), "sweep")
-        self.spawn(self._quota_timer(), "quota-timer")
         log.info("scheduler epoch %d up, policy %s", self.epoch, self.core.policy.name)
 
     async def on_stop(self, grace_s: float) -> None:
@@ -341,6 +341,7 @@ class Scheduler(Service):
             self._dirty.clear()
             now = self.clock()
             await self.apply(self.core.schedule(now) + self.quotas.schedule(now))
+            self._arm_quota_wake(self.clock())
             self._log_waits()
             await asyncio.sleep(0)  # let a burst of arrivals join the next pass
 
@@ -358,15 +359,18 @@ class Scheduler(Service):
             await self.apply(self.core.tick(now) + self.quotas.tick(now))
             self._dirty.set()
 
-    async def _quota_timer(self) -> None:
-        """Wake the decide loop when a rate window lets a waiting quota call go (between
-        ticks: a per-second quota is not held to the tick's pace)."""
-        while True:
-            now = self.clock()
-            at = self.quotas.next_at(now)
-            await asyncio.sleep(self.cfg.tick_s if at is None else min(self.cfg.tick_s, at - now))
-            if at is not None and self.clock() >= at:
-                self._dirty.set()
+    def _arm_quota_wake(self, now: float) -> None:
+        """Wake the decide loop when a rate window next lets a waiting quota call go (between
+        ticks: a per-second quota is not held to the tick's pace). Re-armed after every pass:
+        a call's report moves that time (its window entry is re-timed to its send)."""
+        if self._quota_wake is not None:
+            self._quota_wake.cancel()
+        at = self.quotas.next_at(now)
+        self._quota_wake = (
+            None
+            if at is None
+            else asyncio.get_running_loop().call_later(max(0.0, at - now), self._dirty.set)
+        )
 
     def _known(self, action_id: str) -> bool:
         return self.core.known(action_id) or self.quotas.known(action_id)

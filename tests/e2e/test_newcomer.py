@@ -3,6 +3,7 @@ terminal Ctrl-C (SIGINT to its process group, as a terminal sends it)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -43,9 +44,51 @@ def wait_up(up: subprocess.Popen[str]) -> list[str]:
     return lines
 
 
-def readme_example() -> str:
-    body = README.read_text().split("## Use it", 1)[1]
-    return re.search(r"```python\n(.*?)```", body, re.S).group(1)  # type: ignore[union-attr]
+def readme_example(section: str = "## Use it", lang: str = "python") -> str:
+    """The first ``lang`` code block of a README section, exactly as a reader copies it."""
+    body = README.read_text().split(section, 1)[1]
+    return re.search(rf"```{lang}\n(.*?)```", body, re.S).group(1)  # type: ignore[union-attr]
+
+
+def run_python(state: Path, code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env_for(state),
+    )
+
+
+def readme_gpu_and_quota_examples_run(state: Path, tmp_path: Path) -> None:
+    """The README's GPU and quota examples, as written, against the running mesh."""
+    gpu = run_python(state, readme_example("## Reward and judge models on pooled GPUs"))
+    assert gpu.returncode == 0, gpu.stderr
+    assert gpu.stdout.startswith("succeeded "), gpu.stdout
+    quota_section = "## Rate-limited APIs under one cluster-wide quota"
+    shell = readme_example(quota_section, "sh")
+    env = env_for(state)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # an activated venv
+    pidfile = tmp_path / "http-server.pid"
+    out = tmp_path / "readme-sh.log"
+    with out.open("w") as log:  # a file, not a pipe: the server in the background keeps it open
+        setup = subprocess.run(
+            ["bash", "-c", f"{shell}\necho $! > {pidfile}"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=60,
+            env=env,
+            cwd=tmp_path,
+        )
+    try:
+        assert setup.returncode == 0, out.read_text()
+        quota = run_python(state, readme_example(quota_section))
+        assert quota.returncode == 0, quota.stderr
+        assert quota.stdout.startswith("succeeded 200 "), quota.stdout
+    finally:
+        if pidfile.exists():  # the stand-in API we started (gone already if it could not bind)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pidfile.read_text()), signal.SIGTERM)
 
 
 @pytest.mark.slow
@@ -125,6 +168,7 @@ def test_a_newcomers_first_hour(tmp_path: Path):
         )
         assert example.returncode == 0, example.stderr
         assert example.stdout.startswith("succeeded 0"), example.stdout
+        readme_gpu_and_quota_examples_run(state, tmp_path)
     finally:
         os.killpg(up.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
         rest, _ = up.communicate(timeout=120)
@@ -140,3 +184,25 @@ def test_a_newcomers_first_hour(tmp_path: Path):
     assert gone.returncode == 2
     assert "cannot connect to NATS at nats://127.0.0.1:4222" in gone.stderr
     assert len(gone.stderr.strip().splitlines()) == 1, gone.stderr
+
+    # 5: a restarted mesh on the same state dir: the environment's loss is said once
+    up = subprocess.Popen(
+        [*TANGRAM, "up", "--backend", "process"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env_for(state),
+        start_new_session=True,
+    )
+    try:
+        wait_up(up)
+        lost = tangram(state, "exec", "--", "true")
+        assert lost.returncode == 125, lost.stderr
+        assert "environment_lost" in lost.stderr, lost.stderr
+        fresh = tangram(state, "exec", "--", "echo fresh")
+        assert fresh.returncode == 0, fresh.stderr
+        assert fresh.stdout == "fresh\n"
+    finally:
+        os.killpg(up.pid, signal.SIGINT)
+        up.communicate(timeout=120)
+    assert up.returncode == 0

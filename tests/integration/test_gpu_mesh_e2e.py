@@ -1,6 +1,7 @@
 """Model services through the whole mesh: client.register_service and client.infer, outputs
 equal to the model called directly (also right after an eviction and restore), unknown
-services refused, and a kill -9 of the gpu_manager mid-call (re-queued, or node_died)."""
+services refused, concurrent calls co-batched into fewer forward passes, and a kill -9 of the
+gpu_manager mid-call (re-queued, or node_died)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tangram import ErrorKind, ServiceSpec
+from tangram import ErrorKind, ServiceSpec, ServiceState
 from tangram.client import Client
 from tangram.launcher import Mesh
 
@@ -39,6 +40,12 @@ CODE = textwrap.dedent(
 
     def rival():
         return _mlp(2), _handle
+
+    def paced():  # a tiny model whose pass costs a fixed 20 ms, as a kernel launch would
+        def handle(model, payloads):
+            time.sleep(0.02)
+            return _handle(model, payloads)
+        return _mlp(4), handle
 
     def stuck():
         def handle(model, payloads):
@@ -101,6 +108,30 @@ async def test_infer_through_the_mesh_equals_the_model_also_after_eviction(mesh:
     assert unknown.error is not None
     assert unknown.error.kind is ErrorKind.INVALID_REQUEST
     assert listed >= {"judge", "rival"}
+
+
+async def test_concurrent_calls_to_a_resident_service_share_forward_passes(mesh: Mesh, uid: str):
+    n = 16
+    xs = [[i / n, 1.0, -1.0, 0.5] for i in range(n)]
+    async with Client.connect(mesh.nats_url) as client:
+        await client.register_service(ServiceSpec("paced", f"{MODULE}:paced", max_batch=8))
+        warm = await client.infer("paced", xs[0], job_id=uid, timeout_s=60)
+        assert warm.status == "succeeded", warm
+        calls = [client.infer("paced", x, job_id=uid, timeout_s=60) for x in xs]
+        results = await asyncio.gather(*calls)
+
+        async def counted() -> ServiceState | None:
+            (state,) = [s for s in await client.list_services() if s.spec.name == "paced"]
+            return state if state.calls == n + 1 else None
+
+        state = await eventually(
+            counted, what="the agent to report the calls it ran", interval_s=0.2
+        )
+    assert [r.status for r in results] == ["succeeded"] * n, results
+    # batched, a matmul may sum in another order than alone: equal to float32 rounding
+    assert [r.output for r in results] == pytest.approx([direct("paced", x) for x in xs], 1e-5)
+    assert all(r.allocation is not None and r.allocation.gpus == (0,) for r in results)
+    assert state.batches < n  # n concurrent calls (and a warm one) in fewer passes than n
 
 
 async def test_kill_9_of_the_gpu_manager_mid_call(mesh: Mesh, uid: str, tmp_path: Path):

@@ -198,6 +198,10 @@ async def test_concurrent_calls_are_coalesced_into_one_batch(node: Node):
     outs = [await node.outcome(f"s{i}") for i in range(6)]
     assert gpu_models.BATCH_SIZES == [1, 3, 2]
     assert all(o.exit_code == 0 for o in outs)
+    ran = await eventually(
+        lambda: (s := node.scheduler.service("slow")) and s.batches == 3 and s, what="counts"
+    )
+    assert ran.calls == 6  # reported in heartbeats: 6 calls in 3 forward passes
 
 
 async def test_a_queued_call_is_cancelled_by_kill_and_a_running_one_finishes(node: Node):

@@ -5,8 +5,9 @@ typed ``invalid_request`` failures; the API key reaches the upstream and nothing
 from __future__ import annotations
 
 import asyncio
+import itertools
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -229,6 +230,47 @@ async def test_close_ends_calls_in_flight(upstream):
     await eventually(lambda: upstream.held == 1, what="the call to reach the upstream")
     await ex.close()
     assert (await asyncio.wait_for(run, 5)).failure is ErrorKind.CANCELLED
+
+
+def ticks() -> Callable[[], float]:
+    """A clock reading 1, 2, 3, ... on successive calls (the run, the attempt, the send...)."""
+    count = itertools.count(1)
+    return lambda: float(next(count))
+
+
+async def test_started_at_is_when_the_request_went_out(upstream):
+    ex = HttpExecutor(Upstream(), clock=ticks())  # 1: run, 2: attempt, 3: sent, 4: answered
+    try:
+        out = await ex.run(dispatch(f"{upstream.url}/echo", (host_of(upstream),)))
+    finally:
+        await ex.close()
+    assert (out.started_at, out.finished_at) == (3.0, 4.0)
+
+
+async def test_a_call_never_sent_started_when_its_attempt_began():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ex = HttpExecutor(Upstream(), clock=ticks())  # 1: run, 2: attempt, 3: failed
+    try:
+        out = await ex.run(dispatch(f"http://127.0.0.1:{port}/", (f"127.0.0.1:{port}",)))
+    finally:
+        await ex.close()
+    assert out.failure is ErrorKind.UPSTREAM_FAILED
+    assert (out.started_at, out.finished_at) == (2.0, 3.0)
+
+
+async def test_a_killed_call_reports_its_send(upstream):
+    ex = HttpExecutor(Upstream(), clock=ticks())  # 1: run, 2: attempt, 3: sent, 4: killed
+    try:
+        run = asyncio.create_task(ex.run(dispatch(f"{upstream.url}/hold", (host_of(upstream),))))
+        await eventually(lambda: upstream.held == 1, what="the call to reach the upstream")
+        await ex.kill("a1")
+        out = await asyncio.wait_for(run, 5)
+    finally:
+        await ex.close()
+    assert out.failure is ErrorKind.CANCELLED
+    assert (out.started_at, out.finished_at) == (3.0, 4.0)
 
 
 # ------------------------------------------------------------------ secrets

@@ -40,36 +40,54 @@ def test_per_second_window_waits_for_oldest_to_expire() -> None:
 
 def test_below_one_per_second_stretches_the_window() -> None:
     lim = Limiter(QuotaSpec("q", per_second=0.5), margin_s=0.0)
-    grant(lim.try_acquire(1, 0, 0.0))
+    lim.release(grant(lim.try_acquire(1, 0, 0.0)), 0.5, sent_at=0.0)
     assert lim.try_acquire(1, 0, 1.0) == WaitUntil(2.0, "rate")
 
 
 def test_the_longest_blocking_window_wins() -> None:
     lim = Limiter(QuotaSpec("q", per_second=10, per_minute=3), margin_s=0.0)
     for t in (0.0, 0.1, 0.2):
-        grant(lim.try_acquire(1, 0, t))
+        lim.release(grant(lim.try_acquire(1, 0, t)), t, sent_at=t)
     assert lim.try_acquire(1, 0, 0.3) == WaitUntil(60.0, "rate")
+
+
+def test_a_call_in_flight_counts_until_its_release_then_from_its_send() -> None:
+    lim = Limiter(QuotaSpec("q", per_second=1), margin_s=0.01)
+    g = grant(lim.try_acquire(1, 0, 0.0))
+    assert lim.try_acquire(1, 0, 5.0) == WaitUntil(math.inf, "rate"), "in flight: no expiry"
+    lim.release(g, 5.2, sent_at=4.9)  # sent late (a slow hop): counted from the send
+    assert lim.try_acquire(1, 0, 5.2) == WaitUntil(5.91, "rate")
+    lim.release(grant(lim.try_acquire(1, 0, 5.91)), 6.0)  # send unknown: from the release
+    assert lim.next_free_at(6.0) == 7.01
+
+
+def test_a_send_time_is_kept_between_the_grant_and_the_release() -> None:
+    lim = Limiter(QuotaSpec("q", per_second=1), margin_s=0.0)
+    lim.release(grant(lim.try_acquire(1, 0, 1.0)), 2.0, sent_at=0.0)  # a skewed clock
+    assert lim.next_free_at(2.0) == 2.0
+    lim.release(grant(lim.try_acquire(1, 0, 2.0)), 2.5, sent_at=9.0)
+    assert lim.next_free_at(2.5) == 3.5
 
 
 def test_tokens_reserved_then_trued_up() -> None:
     lim = Limiter(QuotaSpec("llm", tokens_per_minute=1000), margin_s=0.0)
     g = grant(lim.try_acquire(1, 800, 0.0))
-    assert lim.try_acquire(1, 300, 1.0) == WaitUntil(60.0, "tokens")
-    lim.release(g, 2.0, tokens_used=500)
+    assert lim.try_acquire(1, 300, 1.0) == WaitUntil(math.inf, "tokens")
+    lim.release(g, 2.0, sent_at=0.0, tokens_used=500)
     grant(lim.try_acquire(1, 300, 2.0))
     assert isinstance(lim.try_acquire(1, 300, 3.0), WaitUntil)
 
 
 def test_true_up_above_the_estimate_blocks_later_calls() -> None:
     lim = Limiter(QuotaSpec("llm", tokens_per_minute=1000), margin_s=0.0)
-    lim.release(grant(lim.try_acquire(1, 100, 0.0)), 1.0, tokens_used=950)
+    lim.release(grant(lim.try_acquire(1, 100, 0.0)), 1.0, sent_at=0.0, tokens_used=950)
     assert lim.try_acquire(1, 100, 1.0) == WaitUntil(60.0, "tokens")
 
 
 def test_true_up_after_expiry_does_not_corrupt_the_count() -> None:
     lim = Limiter(QuotaSpec("llm", tokens_per_minute=1000), margin_s=0.0)
     g = grant(lim.try_acquire(1, 900, 0.0))
-    lim.release(g, 61.0, tokens_used=10)
+    lim.release(g, 61.0, sent_at=0.5, tokens_used=10)
     grant(lim.try_acquire(1, 1000, 61.0))
 
 

@@ -133,36 +133,50 @@ def test_hrrs_score_favours_no_setup_and_ages() -> None:
 # ---------------------------------------------------------------------- grants
 
 
+RIVAL = ServiceSpec("rival", "pkg.models:rival", dops=(1, 2), max_batch=3)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
-    ops=st.lists(st.tuples(st.booleans(), st.integers(0, 40)), min_size=1, max_size=60),
+    ops=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40)), min_size=1, max_size=60),
     gpus=st.sampled_from([1, 2, 3, 4, 6, 8]),
 )
-def test_grants_are_legal_chunks_and_never_share_a_gpu(
-    ops: list[tuple[bool, int]], gpus: int
+def test_grants_are_legal_chunks_shared_only_by_one_service_up_to_max_batch(
+    ops: list[tuple[int, int]], gpus: int
 ) -> None:
-    core = core_with(gpu_report(gpus=gpus, services=prepared()))
+    """Calls of two services come and go: every grant is a legal chunk; chunks never overlap;
+    calls share a chunk only when they are of one service variant, at most its max_batch;
+    a chunk's GPUs are free exactly when no call is on them."""
+    core = core_with(gpu_report(gpus=gpus, services=prepared() + prepared(RIVAL)))
+    core.restore_services([JUDGE, RIVAL])
+    specs = {"judge": JUDGE, "rival": RIVAL}
     running: dict[str, StartOnNode] = {}
     n = 0
-    for submit, pick in ops:
-        if submit:
-            core.enqueue(infer(f"a{n}"), float(n))
+    for op, pick in ops:
+        if op < 2:
+            core.enqueue(infer(f"a{n}", ("judge", "rival")[op]), float(n))
             n += 1
         elif running:
             run = running.pop(sorted(running)[pick % len(running)])
             core.complete(done(run), float(n))
         for s in starts(core.schedule(float(n))):
             running[s.action.spec.action_id] = s
-        busy = [g for s in running.values() for g in s.gpus]
-        assert len(busy) == len(set(busy))
-        assert set(busy) <= set(range(gpus))
+        chunks: dict[tuple[int, ...], list[StartOnNode]] = {}
         for s in running.values():
-            size = len(s.gpus)
+            chunks.setdefault(s.gpus, []).append(s)
+        busy = [g for c in chunks for g in c]
+        assert len(busy) == len(set(busy))  # distinct chunks never overlap
+        assert set(busy) <= set(range(gpus))
+        assert core.nodes["g0"].free == set(range(gpus)) - set(busy)
+        for c, calls in chunks.items():
+            size = len(c)
             assert size & (size - 1) == 0
-            assert s.gpus[0] % size == 0
-            assert s.gpus == tuple(range(s.gpus[0], s.gpus[0] + size))
-            assert s.service == JUDGE
-            assert not s.cores
+            assert c[0] % size == 0
+            assert c == tuple(range(c[0], c[0] + size))
+            (name,) = {s.action.spec.action.service for s in calls}  # type: ignore[union-attr]
+            assert all(s.service == specs[name] for s in calls)  # one service per chunk
+            assert len(calls) <= specs[name].max_batch
+            assert all(not s.cores for s in calls)
 
 
 def test_dispatch_carries_gpus_service_and_result_output_restore() -> None:

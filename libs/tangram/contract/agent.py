@@ -50,6 +50,10 @@ class PreparedService(_Msg):
     footprint_mb: int = 0
     resident: tuple[int, ...] = ()
     error: str = ""
+    # since the agent started: calls of this variant run, and the batches (forward passes)
+    # they were coalesced into
+    calls: int = 0
+    batches: int = 0
 
 
 class RunningAction(_Msg):

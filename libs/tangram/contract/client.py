@@ -273,6 +273,10 @@ class ServiceState(_Msg):
     prepared_on: tuple[str, ...] = ()  # nodes
     resident_on: tuple[str, ...] = ()  # "node:gpu" entries
     error: str = ""  # why preparing it failed, if it did
+    # over the live GPU nodes since their agents started: calls run, and the batches (forward
+    # passes) concurrent calls were coalesced into, up to ``spec.max_batch`` each
+    calls: int = 0
+    batches: int = 0
 
 
 class Services(_Msg, tag="services"):

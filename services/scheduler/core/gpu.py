@@ -7,6 +7,9 @@ the smallest level that holds ``2**a >= m`` GPUs and splits it into buddies, exa
 the DP operator of the elastic policy (``ChunkOperator``) assumes, so every grant it arranges
 finds its chunk. Among the chunks of that level the one where the service already resides wins
 (no restore); its restore cost otherwise is its footprint over the node's copy bandwidth.
+
+A busy chunk runs one DoP variant of one service (:class:`Shared`): calls to that variant may
+share it, up to the service's ``max_batch``, and the agent coalesces them into forward passes.
 """
 
 from __future__ import annotations
@@ -31,6 +34,26 @@ class Chunk:
 
     def positions(self) -> range:
         return range(self.start, self.start + self.size)
+
+
+@dataclass(slots=True)
+class Shared:
+    """What a busy chunk runs: ``calls`` calls of the ``dop`` variant of ``service``; open to
+    more calls of it unless ``closed`` (a cancelled call is still on it: it may be stuck)."""
+
+    service: str
+    dop: int
+    calls: int = 0
+    closed: bool = False
+
+    def takes(self, service: str, dops: Iterable[int], max_batch: int) -> bool:
+        """Whether a call of ``service`` that may run as any of ``dops`` can join it."""
+        return (
+            not self.closed
+            and self.service == service
+            and self.dop in dops
+            and self.calls < max_batch
+        )
 
 
 def usable(facts: GpuFacts, free: set[int]) -> list[bool]:

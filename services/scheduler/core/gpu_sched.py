@@ -11,6 +11,20 @@ arranged as one pool: the elastic policy chooses among the ready DoP variants ov
 free chunks (Algorithm 4), with the restore cost in the duration of a variant that is not
 resident where it would run; other policies give each call its smallest variant.
 
+Co-batching (issue 11 item 3: one service's forward pass per GPU at a time, concurrent calls
+to it coalesced up to ``max_batch``). A busy chunk runs one variant of one service; a queued
+call to that variant (at a DoP it may run as) joins it while fewer than ``max_batch`` calls
+share it, and the agent coalesces the calls on a chunk into forward passes (those that arrive
+while one runs form the next). Joining is free capacity: it takes no free GPU and delays no
+other call, so it comes first in a pass, before the policy's grants, in the pass's order (under
+HRRS, the highest response ratio joins first when room is short). The policy then arranges
+batches, not calls: the remaining calls of one service (same smallest DoP) form groups of up
+to ``max_batch``, each one candidate whose chunk all its calls share, and a busy chunk shows in
+its view once (it frees when its last call ends, so as the latest started). Never two services
+or variants on one GPU: free chunks are those no call holds; a chunk's GPUs return to the pool
+only when the last call on it ends (``held``). A chunk a cancelled call still holds takes no
+more (the call may be stuck). With ``max_batch=1`` all of this is a no-op.
+
 Device failures are facts: ``device_oom`` retries the call once on the next larger variant (when
 the service has one some node prepared), else it fails ``device_oom``; ``device_lost`` fails the
 call and marks its GPUs down: none is granted again until the node's inventory has left it out
@@ -26,7 +40,7 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 import numpy as np
 
-from services.scheduler.core import gpu
+from services.scheduler.core import gpu, gpu_share
 from services.scheduler.core.books import Dispatched, GpuFacts, Node
 from services.scheduler.core.effects import (
     Effect,
@@ -35,6 +49,7 @@ from services.scheduler.core.effects import (
     StartOnNode,
     verdict,
 )
+from services.scheduler.core.gpu_share import GPU, Group, service_of
 from services.scheduler.core.registry import (
     Registration,
     failed_everywhere,
@@ -58,7 +73,6 @@ from services.scheduler.policies.durations import (
 from tangram.contract import (
     Completion,
     ErrorKind,
-    InferAction,
     Inventory,
     NodeReport,
     ServiceSpec,
@@ -69,12 +83,7 @@ from tangram.contract import (
 if TYPE_CHECKING:
     from services.scheduler.core.scheduler import SchedulerCore
 
-GPU = "gpu"
 GpuOrder = Literal["fcfs", "hrrs"]
-
-
-def service_of(act: UnifiedAction) -> str:
-    return act.spec.action.service if isinstance(act.spec.action, InferAction) else ""
 
 
 def profile_of(act: UnifiedAction) -> str:
@@ -107,6 +116,7 @@ class GpuScheduler:
         self._free: dict[str, list[gpu.Chunk]] = {}
         self._costs: dict[tuple[str, str, int], float] = {}
         self._failed: dict[str, str] = {}  # service -> why every GPU node failed it
+        self._shared: dict[tuple[str, tuple[int, ...]], gpu.Shared] = {}  # busy chunks
 
     # ------------------------------------------------------------------ services
 
@@ -209,15 +219,32 @@ class GpuScheduler:
                 effects += fail
             else:
                 servable.append(act)
-        pools: dict[str, list[UnifiedAction]] = {}
-        budget = {n.node_id: sum(gpu.usable(_facts(n), n.free)) for n in live}
+        self._shared = gpu_share.occupancy(
+            self.core.running.values(), self.core.killed.values(), self.core.nodes
+        )
+        # joins take no free GPU: the free chunks (and what a grant would restore) hold
         self._free = {n.node_id: gpu.free_chunks(gpu.usable(_facts(n), n.free)) for n in live}
         self._costs = {}
+        rest: list[UnifiedAction] = []
         for act in self._ordered(servable[: self.window], live, now):
-            node = self._choose(act, live, budget)
+            joined = self._join(act, now)
+            if not joined:
+                rest.append(act)
+            effects += joined
+        batch = self.services.__getitem__
+        groups = gpu_share.groups(rest, self._floor, lambda name: batch(name).max_batch)
+        return effects + self._place(groups, live, now)
+
+    def _place(self, groups: list[Group], live: list[Node], now: float) -> list[Effect]:
+        """Each group to a node's pool, and each pool arranged by the policy."""
+        pools: dict[str, list[Group]] = {}
+        budget = {n.node_id: sum(gpu.usable(_facts(n), n.free)) for n in live}
+        for group in groups:
+            node = self._choose(group[0], live, budget)
             if node is not None and len(pools.get(node.node_id, ())) < self._cap(node):
-                pools.setdefault(node.node_id, []).append(act)
-                budget[node.node_id] -= self._dops(act, node)[0]
+                pools.setdefault(node.node_id, []).append(group)
+                budget[node.node_id] -= self._dops(group[0], node)[0]
+        effects: list[Effect] = []
         for node_id, waiting in pools.items():
             effects += self._admit(self.core.nodes[node_id], waiting, now)
         return effects
@@ -225,8 +252,37 @@ class GpuScheduler:
     @property
     def window(self) -> int:
         """How many of the oldest servable calls one pass orders and places: enough to fill
-        every GPU node's pool with its lookahead, so a pass costs the same under any backlog."""
-        return sum(self._cap(n) for n in self.core.nodes.values() if n.gpu is not None)
+        every GPU node's pool with its lookahead, each candidate a batch of the largest
+        ``max_batch``, so a pass costs the same under any backlog."""
+        nodes = sum(self._cap(n) for n in self.core.nodes.values() if n.gpu is not None)
+        return nodes * max((s.max_batch for s in self.services.values()), default=1)
+
+    # ------------------------------------------------------------------ co-batching
+
+    def held(self, node: Node) -> set[int]:
+        """The GPUs of ``node`` some call (running, or cancelled and unconfirmed) is on."""
+        return gpu_share.held([*self.core.running.values(), *self.core.killed.values()], node)
+
+    def shares(self, node: Node, act: UnifiedAction, gpus: tuple[int, ...]) -> bool:
+        """Whether a call ``node`` runs on ``gpus`` may be adopted beside the calls there."""
+        return gpu_share.shares(self.core.running.values(), node, act, gpus)
+
+    def _join(self, act: UnifiedAction, now: float) -> list[Effect]:
+        """Start ``act`` on a busy chunk running its service (fewest calls on it first), if
+        one has room: the agent batches it with the calls there, no free GPU is taken."""
+        name = service_of(act)
+        spec = self.services[name]
+        best: tuple[int, int, str, tuple[int, ...]] | None = None
+        for (node_id, gpus), shared in self._shared.items():
+            node = self.core.nodes[node_id]
+            if node.draining or set(gpus) & _facts(node).down:
+                continue
+            if shared.takes(name, self._dops(act, node), spec.max_batch):
+                key = (shared.calls, shared.dop, node_id, gpus)
+                best = key if best is None or key < best else best
+        if best is None:
+            return []
+        return self._dispatch(self.core.nodes[best[2]], act, best[3], now)
 
     def _cost(self, node: Node, service: str, dop: int) -> float:
         key = (node.node_id, service, dop)
@@ -257,10 +313,13 @@ class GpuScheduler:
         del self.core.queue[act.spec.action_id]
         return self.core.finish(act, verdict(act, kind, why, now=now))
 
+    def _floor(self, act: UnifiedAction) -> int:
+        return self.oom_floor.get(act.spec.action_id, 1)
+
     def _dops(self, act: UnifiedAction, node: Node) -> tuple[int, ...]:
         """The variants this call may run as on ``node`` (empty: not there)."""
         spec = self.services[service_of(act)]
-        floor = self.oom_floor.get(act.spec.action_id, 1)
+        floor = self._floor(act)
         return gpu.ready_dops(_facts(node), spec.name, (d for d in spec.dops if d >= floor))
 
     def _choose(self, act: UnifiedAction, live: list[Node], budget: dict[str, int]) -> Node | None:
@@ -308,23 +367,31 @@ class GpuScheduler:
             return DEFAULT_DURATION_S
         return float(model.durations(gpu_units(dop))[0])
 
-    def _admit(self, node: Node, acts: list[UnifiedAction], now: float) -> list[Effect]:
+    def _admit(self, node: Node, groups: list[Group], now: float) -> list[Effect]:
         facts = _facts(node)
         chunks = gpu.free_chunks(gpu.usable(facts, node.free))
-        views = [self._view(a, node, facts, chunks) for a in acts]
-        running = [
-            _running_view(r) for r in self.core.running.values() if r.node_id == node.node_id
-        ]
+        views = [self._view(g[0], node, facts, chunks) for g in groups]
         counts = gpu.chunk_counts(chunks)
         if self.chunks is not None:
+            running = self._running_views(node)
             grants = self.chunks.arrange_chunks(views, counts, running, now)
         else:
             grants = [w.min for w in views[: fits_chunks_at_min(views, counts)]]
         effects: list[Effect] = []
-        for act, units in zip(acts, grants, strict=False):
+        for group, units in zip(groups, grants, strict=False):
             if units > 0:
-                effects += self._start(node, act, units, now)
+                effects += self._start(node, group, units, now)
         return effects
+
+    def _running_views(self, node: Node) -> list[Running]:
+        """One per busy chunk (it frees when its last call ends: the latest started)."""
+        latest: dict[tuple[int, ...], Dispatched] = {}
+        for r in self.core.running.values():
+            if r.node_id == node.node_id:
+                seen = latest.get(r.cores)
+                if seen is None or r.started_at > seen.started_at:
+                    latest[r.cores] = r
+        return [_running_view(r) for r in latest.values()]
 
     def _view(
         self, act: UnifiedAction, node: Node, facts: GpuFacts, chunks: list[gpu.Chunk]
@@ -342,15 +409,29 @@ class GpuScheduler:
             setup_s=tuple(gpu.grant_cost(facts, chunks, name, d) for d in dops),
         )
 
-    def _start(self, node: Node, act: UnifiedAction, units: int, now: float) -> list[Effect]:
+    def _start(self, node: Node, group: Group, units: int, now: float) -> list[Effect]:
+        """The group's chunk: its first call takes it, the others share it."""
         facts = _facts(node)
-        name = service_of(act)
+        name = service_of(group[0])
         chunks = gpu.free_chunks(gpu.usable(facts, node.free))
         chunk = gpu.pick(chunks, units, gpu.resident_positions(facts, name, units))
         if chunk is None:  # the policy arranged what the chunks cannot hold: wait
             return []
         gpus = gpu.gpus_of(facts, chunk)
+        effects = self._dispatch(node, group[0], gpus, now)
+        shared = self._shared[node.node_id, gpus]
+        for act in group[1:]:
+            if shared.takes(name, self._dops(act, node), self.services[name].max_batch):
+                effects += self._dispatch(node, act, gpus, now)
+        return effects
+
+    def _dispatch(
+        self, node: Node, act: UnifiedAction, gpus: tuple[int, ...], now: float
+    ) -> list[Effect]:
         node.free -= set(gpus)
+        name = service_of(act)
+        shared = self._shared.setdefault((node.node_id, gpus), gpu.Shared(name, len(gpus)))
+        shared.calls += 1
         aid = act.spec.action_id
         del self.core.queue[aid]
         act = msgspec.structs.replace(act, attempt=act.attempt + 1)

@@ -17,6 +17,10 @@ lease id is the action id) and its units stay held until ``lease_end`` or its TT
 
 A call whose agent dies is not retried (the upstream may have seen it): it fails ``node_died``;
 its unit is free again, its window entry stays (it was spent once, and counted once).
+
+Windows count SENDS (the provider counts arrivals): a call counts from its grant until its agent
+reports, then from when it was sent (``quota_books.sent_at``: on our clock, never earlier than
+the real send); a call whose send is unknown (lost, redone, a lease) counts from its release.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from services.scheduler.core.quota_books import (
     lease_result,
     max_retries,
     reports,
+    sent_at,
 )
 from services.scheduler.policies.quota_adaptive import parse_hints
 from services.scheduler.policies.quota_limiter import Grant, WaitUntil
@@ -324,6 +329,7 @@ class QuotaCore:
         q.limiter.release(
             call.grant,
             now,
+            sent_at=sent_at(outcome, now),
             tokens_used=outcome.tokens_used,
             status=status,
             retry_after_s=None if hints is None else hints.retry_after_s,

@@ -158,6 +158,17 @@ def reports(c: Completion, call: Call) -> bool:
     )
 
 
+def sent_at(outcome: Outcome, now: float) -> float | None:
+    """When the call was sent, on the scheduler's clock: ``now`` minus how long ago the agent
+    says it sent it (``started_at`` is taken when the request went out). The report's transit
+    only makes this later than the real send, whatever the agent's clock reads, so a window
+    counting from here never undercounts. None when the agent did not say."""
+    started, finished = outcome.started_at, outcome.finished_at
+    if started is None or finished is None:
+        return None
+    return now - max(0.0, float(finished - started))
+
+
 def call_result(call: Call, outcome: Outcome, judged: Verdict, now: float) -> ActionResult:
     """An http action's result from its last call: ``tries`` counts every grant it took."""
     http = outcome.http

@@ -39,11 +39,12 @@ def missing(facts: GpuFacts, specs: Iterable[ServiceSpec]) -> list[ServiceSpec]:
 
 def state_of(spec: ServiceSpec, nodes: Mapping[str, GpuFacts]) -> ServiceState:
     """The service as the GPU nodes report it: where it is ready and resident, its footprint
-    (of the smallest variant ready), and the factory's error when no node has it ready."""
+    (of the smallest variant ready), the calls and batches run, and the factory's error when
+    no node has it ready."""
     ready: list[str] = []
     resident: list[str] = []
     errors: list[str] = []
-    footprint = 0
+    footprint = calls = batches = 0
     for node_id, facts in sorted(nodes.items()):
         entries = sorted(
             (e for (n, _), e in facts.services.items() if n == spec.name), key=lambda e: e.dop
@@ -54,12 +55,16 @@ def state_of(spec: ServiceSpec, nodes: Mapping[str, GpuFacts]) -> ServiceState:
             ready.append(node_id)
             footprint = footprint or good[0].footprint_mb
         resident += [f"{node_id}:{g}" for e in good for g in e.resident]
+        calls += sum(e.calls for e in good)
+        batches += sum(e.batches for e in good)
     return ServiceState(
         spec=spec,
         footprint_mb=footprint,
         prepared_on=tuple(ready),
         resident_on=tuple(sorted(set(resident))),
         error="" if ready else "; ".join(errors),
+        calls=calls,
+        batches=batches,
     )
 
 

@@ -37,7 +37,8 @@ from services.scheduler.core.effects import (
     completed,
     verdict,
 )
-from services.scheduler.core.gpu_sched import GPU, GpuOrder, GpuScheduler, new_facts
+from services.scheduler.core.gpu_sched import GpuOrder, GpuScheduler, new_facts
+from services.scheduler.core.gpu_share import GPU
 from services.scheduler.core.placement import pick_cores
 from services.scheduler.policies.base import Learns, MinPolicy, PerPool, Policy, Waiting
 from tangram.contract import (
@@ -239,7 +240,7 @@ class SchedulerCore:
                 continue
             if run.confirmed:  # it ran there and vanished without a completion
                 del self.running[aid]
-                node.free |= set(run.cores)
+                self._give_back(node, run)
                 effects += self._finish(run.action, self._died(run, now, "lost track of it"))
             elif run.restored or now - run.started_at > self.cfg.dispatch_grace_s:
                 effects += self._redo(aid, node, now)
@@ -266,7 +267,7 @@ class SchedulerCore:
         """A node runs an action we only knew as queued (its dispatch record was lost)."""
         action = self.queue.pop(aid, None)
         self._views.pop(aid, None)
-        if action is None or not set(cores) <= node.free:
+        if action is None or not (set(cores) <= node.free or self.gpu.shares(node, action, cores)):
             return [KillOnNode(node.node_id, aid, ErrorKind.INTERNAL)]
         action = msgspec.structs.replace(action, attempt=attempt)
         node.free -= set(cores)
@@ -277,7 +278,7 @@ class SchedulerCore:
         """The node never got this dispatch: it never started, so running it again is safe
         (unless it was cancelled meanwhile: then it ends now)."""
         run = self.running.pop(aid)
-        node.free |= set(run.cores)
+        self._give_back(node, run)
         if run.kill_by is not None:
             cancelled = verdict(
                 run.action, ErrorKind.CANCELLED, "cancelled before it started", now=now
@@ -405,7 +406,12 @@ class SchedulerCore:
         """Give the cores back, unless the node they were booked on is gone or replaced."""
         node = self.nodes.get(run.node_id)
         if node is not None and node.incarnation == run.incarnation:
-            node.free |= set(run.cores)
+            self._give_back(node, run)
+
+    def _give_back(self, node: Node, run: Dispatched) -> None:
+        """Free an ended run's units (a GPU chunk only when no other call shares it)."""
+        units = set(run.cores)
+        node.free |= units - self.gpu.held(node) if node.gpu is not None else units
 
     def finish(self, action: UnifiedAction, result: ActionResult) -> list[Effect]:
         """End an action no longer queued or running with ``result``."""

@@ -1,17 +1,24 @@
 """One quota's limiter: concurrency (leases held), request windows and a token window.
 
-Windows are sliding-window logs: a grant is recorded with its time and amount and counts
-against the window for ``span + margin`` seconds. A log guarantees that *every* interval of
-length ``span`` holds at most ``limit`` units, so a provider counting by fixed windows (however
-aligned) or by sliding windows never sees more than its limit; a token bucket or GCRA lets up
-to twice the limit into one fixed window (a full burst at the end of one window and a refill
-at the start of the next). ``margin_s`` absorbs jitter between our clock and the provider's
-arrival times. The log holds one entry per grant; ``per_day`` quotas of up to ~1e6 a day fit.
+Windows are sliding-window logs of SENDS, because the provider counts a request when it
+arrives, not when we grant it (the hop scheduler -> bus -> agent adds a variable delay, so a
+call granted one window after another can arrive less than a window after it). A grant counts
+from the moment it is made until it is released, whatever the time (an *open* entry); its
+release says when the call was sent (``sent_at``, never earlier than the real send: see
+``QuotaCore``) and the entry then counts for ``span + margin`` seconds from that send. So when
+a call is granted, every earlier call sent less than ``span + margin`` before any later moment
+is counted, and no interval of length ``span`` ever holds more than ``limit`` sends (proof in
+``tests/unit/test_quota_sends.py``). A provider counting by fixed windows (however aligned) or by
+sliding windows never sees more than its limit; a token bucket or GCRA lets up to twice the
+limit into one fixed window. ``margin_s`` absorbs only the jitter between our send time and the
+provider's arrival stamp (network, its own queue). The log holds one entry per grant;
+``per_day`` quotas of up to ~1e6 a day fit. A release without a send time (a lost agent, a
+lease) settles at the release: the call may have been sent until then.
 
 Tokens are reserved from the caller's estimate at grant time and trued up on release from the
-tokens actually used (the entry keeps its time, so the window stays conservative). A 429 still
-spends its quota: a retry is a new acquire. The AIMD factor scales every window's limit; an
-empty window always admits one request, so a limit never scales below one per window.
+tokens actually used. A 429 still spends its quota: a retry is a new acquire. The AIMD factor
+scales every window's limit; an empty window always admits one request, so a limit never scales
+below one per window.
 """
 
 from __future__ import annotations
@@ -46,15 +53,15 @@ class WaitUntil(NamedTuple):
     reason: str
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
-    at: float
+    at: float  # when the call was sent (only meaningful once settled)
     amount: float
-    expired: bool = False
+    grant: int  # the grant's id; 0 for a past grant rebuilt from Postgres
 
 
 class Window:
-    """A sliding-window log: at most ``limit * factor`` units in any ``span_s`` interval.
+    """A sliding-window log: at most ``limit * factor`` units sent in any ``span_s`` interval.
     ``name`` is the spec field it enforces, declared as ``limit`` per ``per_s`` seconds."""
 
     def __init__(self, name: str, limit: float, per_s: float, margin_s: float) -> None:
@@ -62,14 +69,20 @@ class Window:
         # Below one per window, stretch the window instead: one request per 1/limit windows.
         self.limit, self.span_s = (limit, per_s) if limit >= 1 else (1.0, per_s / limit)
         self.margin_s = margin_s
-        self._log: deque[_Entry] = deque()
-        self.used = 0.0
+        self._log: deque[_Entry] = deque()  # settled: counted until ``at + span + margin``
+        self._open: dict[int, _Entry] = {}  # granted, not yet released: always counted
+        self.settled = 0.0
+        self.open = 0.0
+
+    @property
+    def used(self) -> float:
+        return self.settled + self.open
 
     def wait(self, amount: float, now: float, factor: float) -> float | None:
-        """When ``amount`` would fit (None: it fits now)."""
+        """When ``amount`` would fit (None: it fits now; ``inf``: only after a release)."""
         self._expire(now)
         cap = self.limit * factor
-        if self.used + amount <= cap or not self._log:
+        if self.used + amount <= cap or not (self._log or self._open):
             return None
         need = self.used + amount - cap if amount <= cap else self.used
         freed = 0.0
@@ -77,40 +90,50 @@ class Window:
             freed += entry.amount
             if freed >= need - 1e-9:
                 return entry.at + self.span_s + self.margin_s
-        return now  # unreachable: freeing the whole log always suffices
+        return math.inf  # calls in flight hold the rest: their release frees it
 
-    def add(self, amount: float, now: float) -> _Entry:
-        """Record a grant of ``amount`` at ``now``."""
-        entry = _Entry(now, amount)
-        self._log.append(entry)
-        self.used += amount
-        return entry
+    def add(self, grant: int, amount: float) -> None:
+        """Count a new grant until it is settled."""
+        self._open[grant] = _Entry(math.nan, amount, grant)
+        self.open += amount
 
-    def entries(self) -> list[_Entry]:
-        """The grants still counted, oldest first."""
-        return list(self._log)
-
-    def adopt(self, entry: _Entry) -> None:
-        """Count an entry of another window of the same quota (a changed spec)."""
-        entry.expired = False
-        self._log.append(entry)
-        self.used += entry.amount
-
-    def true_up(self, entry: _Entry, amount: float, now: float) -> None:
-        """Replace a reservation's amount by what was really used (if still in the window)."""
+    def settle(self, grant: int, at: float, now: float, amount: float | None = None) -> None:
+        """The grant's call was sent at ``at``: it counts until ``at + span + margin``, with
+        ``amount`` if given (tokens trued up); an unknown grant changes nothing."""
+        entry = self._open.pop(grant, None)
+        if entry is None:
+            return
+        self.open = self.open - entry.amount if self._open else 0.0
+        entry.at = at
+        entry.amount = entry.amount if amount is None else amount
+        self._insert(entry)
         self._expire(now)
-        if not entry.expired:
-            self.used += amount - entry.amount
-        entry.amount = amount
+
+    def record(self, amount: float, at: float) -> None:
+        """Count a past call sent at ``at`` (a rebuild)."""
+        self._insert(_Entry(at, amount, 0))
+
+    def adopt(self, source: Window) -> None:
+        """Count another window's entries (a changed spec): open ones stay open."""
+        for entry in source._log:
+            self._insert(_Entry(entry.at, entry.amount, entry.grant))
+        for grant, entry in source._open.items():
+            self.add(grant, entry.amount)
+
+    def _insert(self, entry: _Entry) -> None:
+        # Sends settle nearly in time order: walk back from the newest to keep the log sorted.
+        i = len(self._log)
+        while i and self._log[i - 1].at > entry.at:
+            i -= 1
+        self._log.insert(i, entry)
+        self.settled += entry.amount
 
     def _expire(self, now: float) -> None:
         # The same sum as the time ``wait`` returns, so waiting until then always suffices.
         while self._log and self._log[0].at + self.span_s + self.margin_s <= now:
-            entry = self._log.popleft()
-            entry.expired = True
-            self.used -= entry.amount
+            self.settled -= self._log.popleft().amount
         if not self._log:
-            self.used = 0.0  # no float drift survives an empty window
+            self.settled = 0.0  # no float drift survives an empty log
 
 
 class Limiter:
@@ -133,7 +156,7 @@ class Limiter:
             None if tpm is None else Window("tokens_per_minute", tpm, TOKEN_SPAN_S, margin_s)
         )
         self.held = 0
-        self._live: dict[int, _Entry | None] = {}
+        self._live: dict[int, bool] = {}  # grant id -> it reserved tokens
         self._ids = itertools.count(1)
 
     def check(self, units: int, tokens: int) -> None:
@@ -141,19 +164,23 @@ class Limiter:
         self._validate(units, tokens)
 
     def record(self, units: int, tokens: int, at: float) -> None:
-        """Count a past grant (at ``at``, no longer held) against the windows: a rebuild after a
-        restart, in time order and before any new grant."""
+        """Count a past grant (made at ``at``, sent then or later) against the windows: a
+        rebuild after a restart, before any new grant. A call still in flight is also held
+        (:meth:`hold`), so it counts twice until this entry expires: conservative."""
         for window in self.windows:
-            window.add(units, at)
+            window.record(units, at)
         if self.tokens is not None:
-            self.tokens.add(tokens, at)
+            self.tokens.record(tokens, at)
 
     def hold(self, units: int, at: float) -> Grant:
         """Hold ``units`` of concurrency for a grant already counted by :meth:`record`, whatever
-        the limit says (a rebuilt call or lease in flight); release it as any other grant."""
+        the limit says (a rebuilt call or lease in flight), counted in the request windows until
+        released (its send is unknown); release it as any other grant."""
         self.held += units
         grant = Grant(next(self._ids), units, 0, at)
-        self._live[grant.id] = None
+        for window in self.windows:
+            window.add(grant.id, units)
+        self._live[grant.id] = False
         return grant
 
     def respec(self, spec: QuotaSpec) -> None:
@@ -178,12 +205,13 @@ class Limiter:
         waiting = self._wait(units, tokens, now)
         if waiting is not None:
             return waiting
-        for window in self.windows:
-            window.add(units, now)
-        entry = self.tokens.add(tokens, now) if self.tokens is not None else None
-        self.held += units
         grant = Grant(next(self._ids), units, tokens, now)
-        self._live[grant.id] = entry
+        for window in self.windows:
+            window.add(grant.id, units)
+        if self.tokens is not None:
+            self.tokens.add(grant.id, tokens)
+        self.held += units
+        self._live[grant.id] = True
         return grant
 
     def release(
@@ -191,18 +219,27 @@ class Limiter:
         grant: Grant,
         now: float,
         *,
+        sent_at: float | None = None,
         tokens_used: int | None = None,
         status: int | None = None,
         retry_after_s: float | None = None,
     ) -> bool:
-        """Free ``grant``'s units and feed what the call saw; False if already released."""
+        """Free ``grant``'s units, count its call from ``sent_at`` (None: unknown, so from
+        ``now``; kept within the grant and ``now``) and feed what the call saw; False if
+        already released."""
         if grant.id not in self._live:
             return False
-        entry = self._live.pop(grant.id)
+        reserved = self._live.pop(grant.id)
         self.held -= grant.units
-        if entry is not None and self.tokens is not None and tokens_used is not None:
-            self.tokens.true_up(entry, float(tokens_used), now)
-        self._learn(grant, now, status, retry_after_s)
+        at = now if sent_at is None else min(max(sent_at, grant.at), now)
+        for window in self.windows:
+            window.settle(grant.id, at, now)
+        if self.tokens is not None:
+            used = float(tokens_used) if reserved and tokens_used is not None else None
+            self.tokens.settle(grant.id, at, now, used)
+        # A 429 speaks of the rate its call was GRANTED at: one granted before the last cut is
+        # of the same episode and must not cut again (a send time, later, would say otherwise).
+        self._learn(grant.at, now, status, retry_after_s)
         return True
 
     def observe(self, hints: Hints, now: float) -> None:
@@ -248,16 +285,16 @@ class Limiter:
                     hint="a single call can never be granted more than the limit",
                 )
 
-    def _learn(self, grant: Grant, now: float, status: int | None, retry_s: float | None) -> None:
+    def _learn(self, granted: float, now: float, status: int | None, retry_s: float | None) -> None:
         if status == 429:
-            self.adaptive.on_throttle(now, sent_at=grant.at, retry_after_s=retry_s)
+            self.adaptive.on_throttle(now, sent_at=granted, retry_after_s=retry_s)
         elif status is not None and status < 500:
             self.adaptive.on_success(now)
 
 
 def _carried(window: Window, source: Window | None) -> Window:
-    """``window`` holding ``source``'s entries (the same objects, so live reservations still
-    true up); entries are kept in time order, each expiring by ``window``'s own span."""
-    for entry in [] if source is None else source.entries():
-        window.adopt(entry)
+    """``window`` counting ``source``'s entries (in flight ones still open, settled ones
+    expiring by ``window``'s own span)."""
+    if source is not None:
+        window.adopt(source)
     return window

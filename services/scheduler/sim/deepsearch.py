@@ -79,7 +79,7 @@ def closed_loop(
         if done is not None:
             status, retry = provider.call(done.at)
             log.calls.append((done.at, status))
-            limiter.release(done, now, status=status, retry_after_s=retry)
+            limiter.release(done, now, sent_at=done.at, status=status, retry_after_s=retry)
             log.factor.append((now, limiter.adaptive.factor))
             for waiter in [*parked, caller]:
                 heapq.heappush(events, (now, next(seq), waiter, None))
@@ -267,7 +267,11 @@ class _Run:
             owner, grant = held
             learns = self.policy == "tangram"  # a per-process limiter does not learn
             self.limiters[owner].release(
-                grant, now, status=status if learns else None, retry_after_s=retry
+                grant,
+                now,
+                sent_at=grant.at,
+                status=status if learns else None,
+                retry_after_s=retry,
             )
         if status == 200:
             self.acts.append(now - call.issued)
