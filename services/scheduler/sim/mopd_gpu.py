@@ -18,6 +18,8 @@ Policies (``run``):
   their peak demand (at least one replica each, at the smallest variant), the model stays
   resident, calls queue FCFS per service.
 
+Batching is modelled by none of them (every service has ``max_batch=1``).
+
 The metric is the paper's §6.3 one: total ACT per trajectory, averaged over trajectories.
 """
 
@@ -179,8 +181,12 @@ class Pooled:
         core_cfg = CoreConfig(gpu_order=order, queue_timeout_s=None)  # type: ignore[arg-type]
         self.core = SchedulerCore(make_policy(policy), core_cfg)
         self.teachers = {t.name: t for t in TEACHERS[: cfg.services]}
+        # max_batch=1: no policy here models batching (a dedicated SGLang server batches
+        # too), so the comparison stays like for like; co-batched calls would otherwise run
+        # for free beside each other in this model.
         specs = [
-            ServiceSpec(t.name, f"teachers:{t.name}", dops=t.dops) for t in self.teachers.values()
+            ServiceSpec(t.name, f"teachers:{t.name}", dops=t.dops, max_batch=1)
+            for t in self.teachers.values()
         ]
         self.core.restore_services(specs)
         nodes = max(1, cfg.gpus // GPUS_PER_NODE)
