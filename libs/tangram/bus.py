@@ -430,7 +430,10 @@ class Bus(BaseBus):
         return lambda: _unsubscribe(sub)
 
     async def _send(self, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
-        await self.nc.publish(subject, data, headers=headers)
+        try:
+            await self.nc.publish(subject, data, headers=headers)
+        except nats.errors.Error as exc:  # closed, draining, reconnect buffer full, ...
+            raise Unavailable(f"cannot publish on {subject}: {exc}") from exc
 
     async def _ask(
         self, subject: str, data: bytes, headers: dict[str, str] | None, timeout: float
@@ -443,6 +446,8 @@ class Bus(BaseBus):
             raise Unavailable(f"no reply on {subject} within {timeout:.3g}s") from exc
         except nats.errors.ConnectionClosedError as exc:
             raise Unavailable("the NATS connection is closed") from exc
+        except nats.errors.Error as exc:  # draining, reconnect buffer full, ...
+            raise Unavailable(f"no reply on {subject}: {exc}") from exc
         return raw.data
 
     async def close(self) -> None:

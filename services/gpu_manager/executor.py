@@ -100,6 +100,18 @@ class GpuExecutor:
     async def close(self) -> None:
         for call_id in list(self._waiters):
             self._cancel_queued(call_id, ErrorKind.NODE_DIED, "the gpu_manager stopped")
+        for task in list(self._batches):
+            task.cancel()
+        await asyncio.gather(*self._batches, return_exceptions=True)
+        now = self.clock()
+        stopped = Outcome(
+            failure=ErrorKind.NODE_DIED,
+            detail="the gpu_manager stopped during the call",
+            started_at=now,
+            finished_at=now,
+        )
+        for call_id in list(self._waiters):  # taken into a batch that will not finish now
+            self._resolve(call_id, stopped)
         if self._runner is not None:
             self._runner.shutdown(wait=False, cancel_futures=True)
         self._builder.shutdown(wait=False, cancel_futures=True)
@@ -228,6 +240,7 @@ class GpuExecutor:
             task = asyncio.get_running_loop().create_task(self._run_batch(grant, entry, batch))
             self._batches.add(task)
             task.add_done_callback(self._batches.discard)
+            task.add_done_callback(_log_failure)
 
     def _acquire(self, lane: Lane, entry: Prepared) -> Grant | None:
         batch_id = f"batch-{next(self._ids)}"
@@ -343,3 +356,9 @@ def inventory(inv: devices.Inventory, gbps: float) -> Inventory:
         backend=inv.kind,
         restore_gb_per_s=gbps,
     )
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """A batch that died of a bug says so at once (its calls end at their timeout)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("a forward pass failed", exc_info=task.exception())

@@ -87,6 +87,12 @@ class HttpExecutor:
             task.cancel()
         if task.cancelled():
             return self._failed(ErrorKind.CANCELLED, "call killed", sent.at or started)
+        error = task.exception()
+        if error is not None:  # a bug or an error no branch expected: scrubbed, never re-raised
+            # with the key inside (the shell would log and report its text)
+            log.error("call %s failed unexpectedly: %s", aid, type(error).__name__)
+            why = _scrub(f"{type(error).__name__}: {error}", key)
+            return self._failed(ErrorKind.INTERNAL, why, sent.at or started)
         return task.result()
 
     async def kill(self, action_id: str) -> None:

@@ -257,11 +257,18 @@ class Scheduler(Service):
             self._queue(e)
         for e in effects:
             if isinstance(e, Finish) and e.action.reply_subject:
-                await self.bus.publish(
-                    subjects.result_push(e.action.reply_subject),
-                    e.result,
-                    traceparent=e.action.traceparent,
-                )
+                await self._push(e)
+
+    async def _push(self, e: Finish) -> None:
+        """Push a result to its client; if the broker is away the client asks the gateway."""
+        try:
+            await self.bus.publish(
+                subjects.result_push(e.action.reply_subject),
+                e.result,
+                traceparent=e.action.traceparent,
+            )
+        except TangramError as exc:
+            log.info("result of %s not pushed: %s", e.result.action_id, exc)
 
     def _queue(self, e: Effect) -> None:
         match e:
@@ -332,7 +339,11 @@ class Scheduler(Service):
             cmd = await self._commands.get()
             if cmd.recorded is not None and not await _committed(cmd.recorded):
                 continue
-            await self._send(cmd.effect)
+            try:
+                await self._send(cmd.effect)
+            except TangramError as exc:  # broker away: a lost dispatch is redone after its
+                # grace, a lost kill is sent again on the node's next report
+                log.warning("node command not sent: %s", exc)
 
     async def _decide_loop(self) -> None:
         """Coalesce events into scheduling passes."""

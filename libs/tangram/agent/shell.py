@@ -229,6 +229,9 @@ class Agent(Service):
         except TangramError as exc:
             log.info("completion of %s not acknowledged yet: %s", c.action_id, exc)
             self.core.undelivered(c.action_id)
+        except Exception:  # a bug: still never leave the completion marked in flight
+            log.exception("sending the completion of %s failed", c.action_id)
+            self.core.undelivered(c.action_id)
         else:
             self.core.delivered(c.action_id)
 
@@ -250,9 +253,14 @@ class Agent(Service):
     # ------------------------------------------------------------------ loops
 
     async def _every(self, period_s: float, tick: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``tick`` every ``period_s``; a broker outage skips ticks, it never ends the loop
+        (losing the broker is not losing the node)."""
         while True:
             await asyncio.sleep(period_s)
-            await tick()
+            try:
+                await tick()
+            except TangramError as exc:
+                log.info("a periodic report was skipped: %s", exc)
 
     async def _heartbeat(self) -> None:
         await self._apply(self.core.heartbeat(self.executor.envs(), self.clock()))
