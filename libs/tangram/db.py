@@ -18,6 +18,7 @@ from importlib import resources
 from typing import Any, Generic, TypeVar
 
 import asyncpg
+from asyncpg.exceptions import InternalClientError
 
 from tangram.errors import ServiceDead, Unavailable
 
@@ -95,7 +96,9 @@ _TRANSIENT_CODES = ("40001", "40P01", "55P03")
 
 def transient(exc: BaseException) -> bool:
     """Whether retrying the same statement later can succeed (Postgres down, restarting, busy)."""
-    if isinstance(exc, OSError | TimeoutError | asyncpg.InterfaceError):
+    # InternalClientError: asyncpg's protocol state broken by a connection lost mid-operation
+    # ("cannot switch to state ..."); the pool replaces the connection.
+    if isinstance(exc, OSError | TimeoutError | asyncpg.InterfaceError | InternalClientError):
         return True
     if isinstance(exc, asyncpg.PostgresError):
         state = str(getattr(exc, "sqlstate", "") or "")

@@ -108,6 +108,8 @@ async def test_without_retry_a_failed_batch_fails_fast_and_the_next_one_is_tried
         (asyncpg.exceptions.DeadlockDetectedError("x"), True),
         (asyncpg.exceptions.TooManyConnectionsError("x"), True),
         (asyncpg.exceptions.InterfaceError("x"), True),
+        # a connection lost mid-operation (seen in CI: it killed the scheduler's sweep loop)
+        (asyncpg.exceptions.InternalClientError("cannot switch to state 11"), True),
         (TimeoutError(), True),
         (asyncpg.exceptions.DatabaseDroppedError("x"), False),
         (asyncpg.exceptions.UniqueViolationError("x"), False),
