@@ -10,8 +10,6 @@ redirect.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Final
-from urllib.parse import urlsplit
 
 from tangram.contract import (
     ActionSpec,
@@ -21,10 +19,8 @@ from tangram.contract import (
     QuotaSpec,
     UnifiedAction,
 )
-from tangram.contract.hosts import normalise_host, parse_entry, parse_port
+from tangram.contract.hosts import check_url
 from tangram.errors import InvalidRequest
-
-DEFAULT_PORTS: Final = {"http": 80, "https": 443}
 
 
 def resource(quota: str) -> str:
@@ -54,7 +50,7 @@ def formulate_quota(
     units, tokens = (1, act.tokens) if isinstance(act, HttpAction) else (act.units, act.tokens)
     check_fits(quota, units, tokens)
     if isinstance(act, HttpAction):
-        check_url(act.url, quota)
+        check_url(act.url, quota.hosts, quota=quota.name)
     name = resource(act.quota)
     return UnifiedAction(
         spec=spec,
@@ -89,29 +85,3 @@ def check_fits(quota: QuotaSpec, units: int, tokens: int) -> None:
                 f"quota {quota.name!r}: {amount} exceeds {field}={limit:g}",
                 hint="a single call or lease can never be granted more than the limit",
             )
-
-
-def check_url(url: str, quota: QuotaSpec) -> None:
-    """Refuse a URL whose scheme is not http/https or whose host:port the quota does not list."""
-    scheme = url.partition(":")[0].lower() if "://" in url else ""
-    if scheme not in DEFAULT_PORTS:
-        raise InvalidRequest(f"url refused: scheme {scheme or '(none)'!r} is not http or https")
-    try:
-        parts = urlsplit(url)
-        raw = parts.hostname or ""
-        host = normalise_host(f"[{raw}]" if ":" in raw else raw)  # urlsplit drops the brackets
-        port = parts.port
-    except ValueError as exc:
-        raise InvalidRequest(f"url refused: {url[:256]!r} is not a valid URL ({exc})") from exc
-    if parts.username is not None or parts.password is not None:
-        raise InvalidRequest("url refused: credentials in the URL (use the quota's api_key_env)")
-    port = DEFAULT_PORTS[scheme] if port is None else parse_port(str(port))
-    for entry in quota.hosts:
-        allowed_host, allowed_port = parse_entry(entry)
-        if allowed_host == host and (allowed_port or DEFAULT_PORTS[scheme]) == port:
-            return
-    listed = ", ".join(quota.hosts) or "none"
-    raise InvalidRequest(
-        f"url refused: host {host}:{port} is not in quota {quota.name!r}'s hosts ({listed})",
-        hint="add it to the quota's hosts (exact host, or host:port)",
-    )

@@ -29,14 +29,13 @@ from services.quota_manager.reach import (
     MAX_HEADER_BYTES,
     MAX_HEADERS,
     MAX_REDIRECTS,
-    Target,
     check_address,
     check_body,
     check_headers,
     check_redirect,
-    check_url,
 )
 from tangram.contract import HttpResponse
+from tangram.contract.hosts import Target, check_url
 from tangram.errors import InvalidRequest
 
 REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})

@@ -6,7 +6,8 @@ The rule: scheme ``http`` or ``https`` only; the URL's host must be listed in th
 ``host:port`` admits exactly that port. An IP literal is reachable only when listed, so
 ``127.0.0.1`` or ``169.254.169.254`` are refused unless the quota names them. URLs with
 userinfo, percent-encoded or non-ASCII hosts are refused rather than interpreted. A redirect
-target is checked by the same rule. All pure: resolving names is the shell's job, which then
+target is checked by the same rule (:func:`tangram.contract.hosts.check_url`, which the gateway
+applies too). All pure: resolving names is the shell's job, which then
 calls :func:`check_address` so a listed name that resolves to a private address is refused too.
 """
 
@@ -15,19 +16,22 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Mapping
-from typing import Final, NamedTuple
-from urllib.parse import urljoin, urlsplit
+from typing import Final
+from urllib.parse import urljoin
 
-from tangram.contract.hosts import normalise_host, parse_entry, parse_port
+from tangram.contract.hosts import (
+    BAD_CHARS,
+    Target,
+    allowed,
+    check_url,
+)
 from tangram.errors import InvalidRequest
 
-MAX_URL_BYTES: Final = 8 * 1024
 MAX_HEADERS: Final = 64
 MAX_HEADER_BYTES: Final = 16 * 1024
 MAX_REQUEST_BODY: Final = 1024 * 1024
 MAX_RESPONSE_BODY: Final = 256 * 1024
 MAX_REDIRECTS: Final = 5
-DEFAULT_PORTS: Final = {"http": 80, "https": 443}
 
 # Headers the shell owns: framing, routing and the injected credentials.
 RESERVED_HEADERS: Final = frozenset(
@@ -45,36 +49,6 @@ RESERVED_HEADERS: Final = frozenset(
     }
 )
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
-_BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-
-
-class Target(NamedTuple):
-    """A URL that passed the guard: its scheme, normalised host and effective port."""
-
-    url: str
-    scheme: str
-    host: str
-    port: int
-
-
-def check_url(url: str, hosts: tuple[str, ...]) -> Target:
-    """``url`` if a quota allowing ``hosts`` may reach it, else InvalidRequest saying why."""
-    if len(url.encode()) > MAX_URL_BYTES or not url.isascii() or _BAD_VALUE.search(url):
-        raise InvalidRequest("url refused: too long, non-ASCII or with control characters")
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    if scheme not in DEFAULT_PORTS:
-        raise InvalidRequest(f"url refused: scheme {scheme or '(none)'!r} is not http or https")
-    netloc = parts.netloc
-    if "@" in netloc or "%" in netloc or "\\" in url.split("?")[0]:
-        raise InvalidRequest("url refused: userinfo, escapes or backslashes in the authority")
-    host, port = _authority(netloc, scheme)
-    if not _allowed(host, port, scheme, hosts):
-        raise InvalidRequest(
-            f"url refused: host {host}:{port} is not in this quota's hosts",
-            hint="add it to the quota's hosts (exact host, or host:port)",
-        )
-    return Target(url, scheme, host, port)
 
 
 def check_redirect(location: str, current: str, hosts: tuple[str, ...]) -> Target:
@@ -85,7 +59,7 @@ def check_redirect(location: str, current: str, hosts: tuple[str, ...]) -> Targe
 def check_address(target: Target, address: str, hosts: tuple[str, ...]) -> None:
     """Refuse a resolved ``address`` that is private/loopback/link-local, unless listed."""
     ip = ipaddress.ip_address(address)
-    if ip.is_global or _allowed(_host_of(ip), target.port, target.scheme, hosts):
+    if ip.is_global or allowed(_host_of(ip), target.port, target.scheme, hosts):
         return
     raise InvalidRequest(f"url refused: {target.host} resolves to non-public address {address}")
 
@@ -98,7 +72,7 @@ def check_headers(headers: Mapping[str, str]) -> None:
     if size > MAX_HEADER_BYTES:
         raise InvalidRequest(f"headers too large ({size} > {MAX_HEADER_BYTES} bytes)")
     for name, value in headers.items():
-        if not _TOKEN.match(name) or _BAD_VALUE.search(value) or not value.isascii():
+        if not _TOKEN.match(name) or BAD_CHARS.search(value) or not value.isascii():
             raise InvalidRequest(f"bad header {name[:64]!r}: invalid name or value")
         if name.lower() in RESERVED_HEADERS:
             raise InvalidRequest(f"header {name!r} is set by tangram, not by the caller")
@@ -108,29 +82,6 @@ def check_body(body: bytes | None) -> None:
     """Refuse a request body over the cap."""
     if body is not None and len(body) > MAX_REQUEST_BODY:
         raise InvalidRequest(f"body too large ({len(body)} > {MAX_REQUEST_BODY} bytes)")
-
-
-def _authority(netloc: str, scheme: str) -> tuple[str, int]:
-    if netloc.startswith("["):
-        raw_host, _, rest = netloc.partition("]")
-        raw_host += "]"
-        port_text = rest[1:] if rest.startswith(":") else ("" if not rest else "x")
-    else:
-        raw_host, _, port_text = netloc.partition(":")
-    try:
-        host = normalise_host(raw_host)
-        port = parse_port(port_text) if port_text else DEFAULT_PORTS[scheme]
-    except ValueError as exc:
-        raise InvalidRequest(f"url refused: bad host or port in {netloc[:256]!r}") from exc
-    return host, port
-
-
-def _allowed(host: str, port: int, scheme: str, hosts: tuple[str, ...]) -> bool:
-    for entry in hosts:
-        allowed_host, allowed_port = parse_entry(entry)
-        if allowed_host == host and (allowed_port or DEFAULT_PORTS[scheme]) == port:
-            return True
-    return False
 
 
 def _host_of(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:

@@ -6,13 +6,12 @@ import pytest
 
 from services.quota_manager.reach import (
     MAX_REQUEST_BODY,
-    Target,
     check_address,
     check_body,
     check_headers,
     check_redirect,
-    check_url,
 )
+from tangram.contract.hosts import Target, check_url
 from tangram.errors import InvalidRequest
 
 HOSTS = ("api.example.com", "search.example.com:8443", "127.0.0.1:9000", "[::1]:9001")
@@ -59,6 +58,7 @@ def test_listed_hosts_pass(url: str, host: str, port: int) -> None:
         ("https://api.exämple.com/", "non-ASCII"),
         ("https://api.example.com/\r\nHost: evil", "control"),
         ("https://api.example.com:99999/", "bad host or port"),
+        ("https://[::1/", "not a valid URL"),
         ("https://api.example.com:x/", "bad host or port"),
         ("https:///path", "bad host or port"),
         ("https://" + "a" * 9000, "too long"),
