@@ -50,7 +50,11 @@ typecheck: setup
 
 bench: bench-throughput bench-scheduler bench-docker bench-gpu bench-quota  ## every benchmark; JSON in bench/results
 
-bench-throughput: setup
+$(VENV)/.ray-installed: $(STAMP)
+	$(BIN)/pip install -q -e '.[ray]'
+	touch $@
+
+bench-throughput: setup $(VENV)/.ray-installed  ## no-op actions through the mesh, CPU per action per process, a local Ray side by side
 	$(BIN)/python -m bench.throughput
 
 bench-scheduler: setup

@@ -2,10 +2,14 @@
 
 Single pool (``ElasticPolicy.arrange``, the call the live core makes per node) and the GPU chunk
 pool (``arrange_chunks``), over queues of 10..2000 actions, up to 256 cores and 5 x 8 GPUs.
+
+``--core`` (issue 13) measures only the whole scheduler core's CPU per action in steady state
+(``bench.core_cost``) with 100..100,000 actions queued, and merges it into the same JSON.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import platform
@@ -15,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import core_cost
 from services.scheduler.policies.base import Running, Waiting
 from services.scheduler.policies.elastic import ElasticPolicy
 
@@ -134,6 +139,12 @@ def gpu_pool(rng: np.random.Generator) -> list[dict[str, object]]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--core", action="store_true", help="only the core's CPU per action")
+    if parser.parse_args().core:
+        old = json.loads(OUT.read_text()) if OUT.exists() else {}
+        OUT.write_text(json.dumps({**old, **core_cost.measure()}, indent=1))
+        return
     rng = np.random.default_rng(0)
     rows = single_pool(rng) + discrete_pool(rng) + gpu_pool(rng)
     target = [r for r in rows if r["pool"] == "cpu" and r["cores"] == 256 and r["candidates"] == 64]
@@ -144,6 +155,7 @@ def main() -> None:
         "target": "p99 <= 1000 us at 64 candidates and 256 cores",
         "at_target": target,
         "rows": rows,
+        **core_cost.measure(),
     }
     OUT.write_text(json.dumps(out, indent=1))
     for r in rows:

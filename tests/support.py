@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
+from tangram.contract import Completions, NodeMessage
 from tangram.launcher import Mesh, MeshOptions
 
 T = TypeVar("T")
@@ -76,3 +77,8 @@ async def running_mesh(
         yield mesh
     finally:
         await mesh.stop()
+
+
+def unbatched(msg: NodeMessage) -> list[NodeMessage]:
+    """A node message as the messages it carries (completions may travel together)."""
+    return list(msg.items) if isinstance(msg, Completions) else [msg]

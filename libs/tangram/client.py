@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import math
+import random
 import threading
 import time
 import uuid
@@ -69,6 +71,13 @@ GATEWAY_TIMEOUT_S = 30.0  # one gateway call, retries included: rides out a brok
 ATTEMPT_FIRST_S, ATTEMPT_MAX_S = 2.0, 8.0  # one try's wait for a reply (a reply lost in a
 # broker outage is retried rather than awaited for the whole budget); doubles per try
 RETRY_FIRST_S, RETRY_MAX_S = 0.05, 1.0  # backoff between tries
+# A ``busy`` gateway says when to come back. Every client it refused at once hears about the
+# same time, so each waits up to BUSY_JITTER longer (never sooner: the backlog needs that long
+# to drain), and never more than BUSY_MAX_S whatever a server says.
+BUSY_JITTER, BUSY_MAX_S = 0.5, 10.0
+# How long a refused submit keeps coming back when its action sets no queue timeout: the
+# scheduler's default bound on queueing (CoreConfig.queue_timeout_s).
+BUSY_WAIT_S = 1800.0
 EARLY_LIMIT = 10_000  # pushed results nobody waits for yet (the gateway keeps them all anyway)
 RECHECK_S = 30.0  # ask the gateway for a result not pushed within this (and on reconnect)
 POLL_MIN_S, POLL_MAX_S = 0.05, 1.0  # polling for results of other clients' actions
@@ -361,19 +370,24 @@ class Client:
         with telemetry.tracer().start_as_current_span("tangram.submit") as span:
             span.set_attribute("tangram.action_id", spec.action_id)
             reply = await self._gateway(
-                Submit(spec=spec, reply_subject=subjects.results(self.client_id))
+                Submit(spec=spec, reply_subject=subjects.results(self.client_id)),
+                busy_s=spec.queue_timeout_s or BUSY_WAIT_S,
             )
         if not isinstance(reply, Accepted | ActionResult):
             raise TangramError(f"unexpected reply to submit: {type(reply).__name__}")
         return reply
 
-    async def _gateway(self, req: Any) -> Any:
+    async def _gateway(self, req: Any, *, busy_s: float = 0.0) -> Any:
         """Ask the gateway. What the error tree marks retryable (busy, unreachable, no reply,
-        a server's ``unavailable`` reply) is retried with backoff until ``request_timeout`` is
-        spent; every request is idempotent (submits by ``action_id``), so a try whose reply
-        was lost (a broker restart) is simply made again."""
+        a server's ``unavailable`` reply) is retried with backoff (``busy``: after the
+        ``retry_after_s`` it names, see :func:`_pause`) until ``request_timeout`` is spent,
+        then raised; every request is idempotent (submits by ``action_id``), so a try whose
+        reply was lost (a broker restart) is simply made again. A ``busy`` answer (the mesh
+        is up, its queue full) renews that budget for up to ``busy_s`` in all: a submit
+        refused for a full queue waits here as long as it would have waited in the queue."""
         start = time.monotonic()
         deadline = start + self.request_timeout
+        busy_until = start + max(self.request_timeout, busy_s)
         delay, attempt_s, tries = RETRY_FIRST_S, ATTEMPT_FIRST_S, 0
         while True:
             tries += 1
@@ -382,9 +396,11 @@ class Client:
                     subjects.GATEWAY, req, timeout=min(attempt_s, _left(deadline))
                 )
             except TangramError as exc:
-                pause = exc.retry_after_s or delay
                 if not exc.retryable:
                     raise
+                pause = _pause(exc, delay)
+                if isinstance(exc, Busy):
+                    deadline = min(busy_until, time.monotonic() + pause + self.request_timeout)
                 if time.monotonic() + pause >= deadline:
                     raise _gave_up(exc, tries, time.monotonic() - start) from exc
             await asyncio.sleep(pause)
@@ -450,11 +466,13 @@ class Client:
         return reply if isinstance(reply, ActionResult) else None
 
     async def _on_result(self, msg: Msg) -> None:
+        """A pushed result, or the results that ended together (a list)."""
         try:
-            result = codec.decode(msg.data, ActionResult)
+            pushed = codec.decode(msg.data, ActionResult | list[ActionResult])
         except (msgspec.ValidationError, msgspec.DecodeError):
             return
-        self._deliver(result)
+        for result in pushed if isinstance(pushed, list) else (pushed,):
+            self._deliver(result)
 
     def _deliver(self, result: ActionResult) -> None:
         fut = self._waiters.get(result.action_id)
@@ -495,6 +513,17 @@ def _gave_up(exc: TangramError, tries: int, took_s: float) -> TangramError:
             return RemoteError(exc.code, message, retryable=True, retry_after_s=exc.retry_after_s)
         case _:
             return Unavailable(message, retry_after_s=exc.retry_after_s)
+
+
+def _pause(exc: TangramError, delay: float) -> float:
+    """How long to wait before the next try: what the server asked for (a ``busy`` one with
+    jitter, capped), else the client's own backoff ``delay``."""
+    asked = exc.retry_after_s
+    if asked is None or not math.isfinite(asked) or asked <= 0:
+        return delay
+    if isinstance(exc, Busy):
+        return min(BUSY_MAX_S, asked * random.uniform(1.0, 1.0 + BUSY_JITTER))
+    return min(BUSY_MAX_S, asked)
 
 
 def _left(deadline: float) -> float:

@@ -281,3 +281,52 @@ async def retrying(
                 on_retry()
         await asyncio.sleep(delay)
         delay = min(backoff.max_s, delay * 2)
+
+
+class Held:
+    """One pooled connection kept by one writer for its whole life.
+
+    A writer that acquires per batch pays a pool reset (a round trip and a Postgres statement)
+    every time; a held connection pays nothing but the write. ``setup`` statements (session
+    settings such as ``synchronous_commit``) run once on every connection taken. A connection
+    that failed in any way is given back to the pool (which resets or replaces it) and the next
+    use takes another one, so an outage or a restart of Postgres is survived like with the pool.
+    """
+
+    def __init__(self, pool: asyncpg.Pool, *setup: str) -> None:
+        self._pool = pool
+        self._setup = setup
+        self._conn: Any = None  # asyncpg's pool proxy
+
+    async def run(self, op: Callable[[Any], Awaitable[R]]) -> R:
+        """``op(connection)``; on any failure the connection is given back, then re-raised."""
+        conn = self._conn if self._conn is not None else await self._take()
+        try:
+            return await op(conn)
+        except BaseException:
+            await self.release()
+            raise
+
+    async def _take(self) -> Any:
+        conn = await self._pool.acquire()
+        try:
+            for statement in self._setup:
+                await conn.execute(statement)
+        except BaseException:
+            await self._pool.release(conn)
+            raise
+        self._conn = conn
+        return conn
+
+    async def release(self) -> None:
+        """Give the connection back (at close, or after a failure)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await self._pool.release(conn, timeout=5)
+
+
+# Writers know their batch is small; a generic plan (asyncpg prepares and reuses statements)
+# cannot, and for an ``unnest`` join it scans every open action (3.3 ms per execution at 20k
+# open rows against 0.15 ms for a custom plan): the overload cliff of a growing backlog.
+CUSTOM_PLANS = "SET plan_cache_mode = force_custom_plan"

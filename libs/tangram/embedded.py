@@ -67,9 +67,12 @@ def _stop(proc: subprocess.Popen[bytes] | None, sig: int, timeout_s: float) -> N
 class EmbeddedNats:
     """A nats-server with JetStream, its store under ``data_dir``."""
 
-    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+    def __init__(
+        self, data_dir: Path, port: int | None = None, *, http_port: int | None = None
+    ) -> None:
         self.data_dir = data_dir
         self.port = port or free_port()
+        self.http_port = http_port  # the monitoring endpoint (/varz), off unless asked for
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -99,6 +102,8 @@ class EmbeddedNats:
             "-l",
             str(log),
         ]
+        if self.http_port is not None:
+            cmd += ["-m", str(self.http_port)]
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,

@@ -20,6 +20,7 @@ from tangram.contract import (
     NodeCommand,
     NodeMessage,
     Pending,
+    Pressure,
     Quotas,
     Resources,
     SchedulerRequest,
@@ -65,6 +66,8 @@ SCHED_ACTIONS: Final = Endpoint[SchedulerRequest, SchedulerAnswer](
 SCHED_NODES: Final = Endpoint[NodeMessage, Ack](
     f"{PREFIX}.sched.nodes", NodeMessage, Ack, SCHEDULER_QUEUE
 )
+# The scheduler's load, every tick, to every gateway (no queue group): admission control.
+SCHED_PRESSURE: Final = Endpoint[Pressure, None](f"{PREFIX}.sched.pressure", Pressure, None)
 # A command (Reconcile) to every node agent: no queue group, so each agent gets it.
 NODES_BROADCAST: Final = Endpoint[NodeCommand, Ack](f"{PREFIX}.nodes.all", NodeCommand, Ack)
 
@@ -79,6 +82,9 @@ def results(client_id: str) -> str:
     return f"{RESULTS_PREFIX}.{client_id}"
 
 
-def result_push(reply_subject: str) -> Endpoint[ActionResult, None]:
-    """Where to push a finished action's result: the ``reply_subject`` its submitter named."""
-    return Endpoint[ActionResult, None](reply_subject, ActionResult, None)
+def result_push(reply_subject: str) -> Endpoint[ActionResult | list[ActionResult], None]:
+    """Where to push finished actions' results: the ``reply_subject`` their submitter named;
+    one result, or the results of one client that ended together (a list)."""
+    return Endpoint[ActionResult | list[ActionResult], None](
+        reply_subject, ActionResult | list[ActionResult], None
+    )

@@ -57,6 +57,12 @@ def tracer() -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME)
 
 
+def recording() -> bool:
+    """Whether this process exports spans (else a message without trace context needs no span:
+    there is nothing to record and no context to pass on)."""
+    return _configured
+
+
 def inject(ctx: Context | None = None) -> dict[str, str]:
     """Headers carrying the trace context of ``ctx`` (or the current one)."""
     carrier: dict[str, str] = {}

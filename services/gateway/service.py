@@ -1,11 +1,14 @@
 """The gateway shell: the only door for clients.
 
 Decodes every request, formulates actions, makes them durable (group commit) before it
-acknowledges, hands them to the scheduler, and answers result queries from Postgres.
+acknowledges, hands them to the scheduler, and answers result queries from Postgres. While the
+mesh's backlog is over its bound (admission.py, fed by the scheduler's pressure reports) a new
+submit is refused with ``busy``; an action already durable is still answered.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -16,6 +19,7 @@ import asyncpg
 from nats.aio.msg import Msg
 
 from services.gateway import config, quotas_api, services_api, store
+from services.gateway.admission import Admission
 from services.gateway.config import GatewayConfig
 from services.gateway.formulation import Limits, formulate
 from tangram import db, subjects, telemetry
@@ -30,11 +34,13 @@ from tangram.contract import (
     CloseEnvCmd,
     Done,
     Enqueue,
+    EnqueueMany,
     GatewayRequest,
     GetResult,
     ListQuotas,
     ListServices,
     Pending,
+    Pressure,
     Quotas,
     RegisterService,
     ReleaseLease,
@@ -43,7 +49,7 @@ from tangram.contract import (
     Submit,
     UnifiedAction,
 )
-from tangram.errors import InvalidRequest, NotFound
+from tangram.errors import Busy, InvalidRequest, NotFound, TangramError
 from tangram.runtime import Service
 
 log = logging.getLogger(__name__)
@@ -65,13 +71,28 @@ class Gateway(Service):
         self.intake: db.GroupCommit[UnifiedAction, store.Intake] = db.GroupCommit(
             self._insert, max_batch=cfg.max_batch
         )
+        self._intake_conn = db.Held(pool, db.CUSTOM_PLANS)  # no pool reset per batch
+        self._handing: list[UnifiedAction] = []  # durable, for the scheduler this turn
+        self._sends: set[asyncio.Task[None]] = set()
+        self.admission = Admission(cfg.bounds())
+        # Over the bound, is a refused submit's action already durable? One query per batch
+        # of refusals, so shedding load does not cost a round trip each.
+        self.lookups: db.GroupCommit[str, store.Existing | None] = db.GroupCommit(
+            self._lookup, max_batch=cfg.max_batch, name="duplicate-lookup"
+        )
 
     async def _insert(self, batch: Sequence[UnifiedAction]) -> list[store.Intake]:
-        return await store.insert_actions(self.pool, batch)
+        return await self._intake_conn.run(lambda conn: store.insert_actions(conn, batch))
+
+    async def _lookup(self, action_ids: Sequence[str]) -> list[store.Existing | None]:
+        found = await store.fetch_existing(self.pool, action_ids)
+        return [found.get(aid) for aid in action_ids]
 
     async def on_start(self) -> None:
         await self.quotas.load()
         self.intake.start()
+        self.lookups.start()
+        self.bus.serve(subjects.SCHED_PRESSURE, self.on_pressure, max_in_flight=1)
         self.bus.serve(subjects.GATEWAY, self.handle, max_in_flight=self.cfg.max_in_flight)
         await self.bus.start()
 
@@ -79,6 +100,11 @@ class Gateway(Service):
         """Stop intake and flush it; ``build``'s stack then closes the bus and pool."""
         await self.bus.stop_serving(grace_s)
         await self.intake.close()
+        await self.lookups.close()
+        self._send_hand_off()
+        if self._sends:
+            await asyncio.wait(set(self._sends), timeout=grace_s)
+        await self._intake_conn.release()
 
     async def handle(self, req: GatewayRequest, msg: Msg) -> Reply:
         match req:
@@ -103,6 +129,11 @@ class Gateway(Service):
             case _:
                 raise InvalidRequest(f"{type(req).__name__} is not served by this mesh yet")
 
+    async def on_pressure(self, pressure: Pressure, msg: Msg) -> None:
+        """The scheduler's report (decoded and bounds-checked by the bus: a garbled one never
+        gets here)."""
+        self.admission.observe(pressure)
+
     async def submit(self, req: Submit) -> Accepted | ActionResult:
         action = formulate(
             req.spec,
@@ -112,6 +143,9 @@ class Gateway(Service):
             traceparent=telemetry.current_traceparent(),
             quotas=await self.quotas.fresh_for(req.spec),
         )
+        busy = self.admission.admit()  # validated first: a wrong request is told so at once
+        if busy is not None:
+            return await self._refuse(req.spec.action_id, busy)
         intake = await self.intake.submit(action)
         if intake.duplicate:
             return intake.result or Accepted(
@@ -119,8 +153,43 @@ class Gateway(Service):
                 duplicate=True,
                 status=intake.status,  # type: ignore[arg-type]
             )
-        await self.bus.publish(subjects.SCHED_ACTIONS, Enqueue(action=action))
+        self._hand_off(action)
         return Accepted(action_id=intake.action_id)
+
+    def _hand_off(self, action: UnifiedAction) -> None:
+        """Hand a durable action to the scheduler; those of one turn of the event loop (one
+        intake batch) travel in one message. A lost hand-off is found by the scheduler's
+        sweep of durable queued actions."""
+        if not self._handing:
+            asyncio.get_running_loop().call_soon(self._send_hand_off)
+        self._handing.append(action)
+
+    def _send_hand_off(self) -> None:
+        batch, self._handing = self._handing, []
+        if not batch:
+            return
+        msg = Enqueue(action=batch[0]) if len(batch) == 1 else EnqueueMany(actions=tuple(batch))
+        task = asyncio.get_running_loop().create_task(self._publish(msg))
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+
+    async def _publish(self, msg: Enqueue | EnqueueMany) -> None:
+        try:
+            await self.bus.publish(subjects.SCHED_ACTIONS, msg)
+        except TangramError as exc:
+            log.warning("hand-off to the scheduler failed (its sweep will find them): %s", exc)
+
+    async def _refuse(self, action_id: str, busy: Busy) -> Accepted | ActionResult:
+        """Over the bound: answer an action that is already durable (a retry whose reply was
+        lost must learn it was accepted), refuse anything else."""
+        found = await self.lookups.submit(action_id)
+        if found is None:
+            raise busy
+        return found.result or Accepted(
+            action_id=action_id,
+            duplicate=True,
+            status=found.status,  # type: ignore[arg-type]
+        )
 
     async def get_result(self, action_id: str) -> ActionResult | Pending:
         found = await store.fetch_result(self.pool, action_id)

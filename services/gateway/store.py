@@ -9,6 +9,7 @@ import asyncpg
 
 from tangram.contract import ActionResult, UnifiedAction, codec, encode, kind_of
 
+# No 'queued' event row: the action row's submitted_at is that transition.
 _INSERT = """
 WITH input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[],
@@ -18,11 +19,7 @@ WITH input AS (
     INSERT INTO actions (action_id, job_id, trajectory_id, kind, status, spec, submitted_at)
     SELECT action_id, job_id, trajectory_id, kind, 'queued', spec, submitted_at FROM input
     ON CONFLICT (action_id) DO NOTHING
-    RETURNING action_id, submitted_at
-), ev AS (
-    INSERT INTO action_events (action_id, attempt, status, at)
-    SELECT action_id, 0, 'queued', submitted_at FROM ins
-    ON CONFLICT DO NOTHING
+    RETURNING action_id
 )
 SELECT action_id FROM ins
 """
@@ -66,15 +63,16 @@ def _first_copies(actions: Sequence[UnifiedAction], inserted: set[str]) -> list[
     return new
 
 
-async def insert_actions(pool: asyncpg.Pool, actions: Sequence[UnifiedAction]) -> list[Intake]:
-    """Make a batch durable in one transaction; duplicates (by action_id) are not re-inserted."""
-    async with pool.acquire() as conn:
-        rows = await conn.fetch(_INSERT, *_columns(actions))
-        new = _first_copies(actions, {r["action_id"] for r in rows})
-        dup_ids = [a.spec.action_id for a, n in zip(actions, new, strict=True) if not n]
-        existing = {}
-        if dup_ids:
-            existing = {r["action_id"]: r for r in await conn.fetch(_EXISTING, dup_ids)}
+async def insert_actions(
+    conn: asyncpg.Connection, actions: Sequence[UnifiedAction]
+) -> list[Intake]:
+    """Make a batch durable in one statement; duplicates (by action_id) are not re-inserted."""
+    rows = await conn.fetch(_INSERT, *_columns(actions))
+    new = _first_copies(actions, {r["action_id"] for r in rows})
+    dup_ids = [a.spec.action_id for a, n in zip(actions, new, strict=True) if not n]
+    existing = {}
+    if dup_ids:
+        existing = {r["action_id"]: r for r in await conn.fetch(_EXISTING, dup_ids)}
     out = []
     for a, is_new in zip(actions, new, strict=True):
         aid = a.spec.action_id
@@ -94,3 +92,17 @@ async def fetch_result(
     if row is None:
         return None
     return row["status"], decode_result(row["result"])
+
+
+@dataclass(frozen=True, slots=True)
+class Existing:
+    """A stored action's status, and its result once it has one."""
+
+    status: str
+    result: ActionResult | None
+
+
+async def fetch_existing(pool: asyncpg.Pool, action_ids: Sequence[str]) -> dict[str, Existing]:
+    """Those of ``action_ids`` that are stored, in one statement (admission's duplicates)."""
+    rows = await pool.fetch(_EXISTING, list(action_ids))
+    return {r["action_id"]: Existing(r["status"], decode_result(r["result"])) for r in rows}

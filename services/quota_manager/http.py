@@ -12,10 +12,11 @@ is capped; ``Set-Cookie`` never leaves the agent and no cookie is ever kept betw
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 from typing import Final, NamedTuple
 
@@ -40,7 +41,7 @@ from tangram.errors import InvalidRequest
 
 REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
 DROPPED_HEADERS: Final = frozenset({"set-cookie", "set-cookie2"})
-MAX_SESSIONS: Final = 256  # one per (allow-list, scheme); the least recently used closes
+MAX_SESSIONS: Final = 256  # one per (allow-list, scheme); the least recently used idle closes
 
 
 class Call(NamedTuple):
@@ -101,6 +102,9 @@ class GuardedResolver(AbstractResolver):
         await self._inner.close()
 
 
+_Key = tuple[tuple[str, ...], str]
+
+
 class Upstream:
     """Sessions to the upstreams, one per (allow-list, scheme), and the guarded call."""
 
@@ -114,9 +118,8 @@ class Upstream:
         self.connect_timeout_s = connect_timeout_s
         self._trace = aiohttp.TraceConfig()
         self._trace.on_request_headers_sent.append(self._headers_sent)
-        self._sessions: OrderedDict[tuple[tuple[str, ...], str], aiohttp.ClientSession] = (
-            OrderedDict()
-        )
+        self._sessions: OrderedDict[_Key, aiohttp.ClientSession] = OrderedDict()
+        self._users: dict[_Key, int] = {}  # calls using each session now
 
     async def fetch(self, call: Call, sent: Sent | None = None) -> Answer:
         """Make ``call``, following allowed redirects, noting in ``sent`` when each request
@@ -128,15 +131,17 @@ class Upstream:
         method, body = call.method, call.body
         for _ in range(MAX_REDIRECTS + 1):
             check_literal(target, call.hosts)
-            session = await self._session(call.hosts, target.scheme)
-            async with session.request(
-                method,
-                URL(target.url, encoded=True),
-                headers=call.headers,
-                data=body or None,
-                allow_redirects=False,
-                trace_request_ctx=sent,
-            ) as resp:
+            async with (
+                self._session(call.hosts, target.scheme) as session,
+                session.request(
+                    method,
+                    URL(target.url, encoded=True),
+                    headers=call.headers,
+                    data=body or None,
+                    allow_redirects=False,
+                    trace_request_ctx=sent,
+                ) as resp,
+            ):
                 location = resp.headers.get("Location")
                 if resp.status not in REDIRECTS or location is None:
                     return await answer(resp, call.cap)
@@ -157,15 +162,31 @@ class Upstream:
             _, session = self._sessions.popitem()
             await session.close()
 
-    async def _session(self, hosts: tuple[str, ...], scheme: str) -> aiohttp.ClientSession:
+    @contextlib.asynccontextmanager
+    async def _session(
+        self, hosts: tuple[str, ...], scheme: str
+    ) -> AsyncIterator[aiohttp.ClientSession]:
+        """The session for an allow-list, held for one call: a session in use is never
+        closed; past ``MAX_SESSIONS`` the least recently used idle ones are."""
         key = (hosts, scheme)
         session = self._sessions.get(key)
         if session is None:
             session = self._sessions[key] = self._open(hosts, scheme)
-            if len(self._sessions) > MAX_SESSIONS:
-                await self._sessions.popitem(last=False)[1].close()
         self._sessions.move_to_end(key)
-        return session
+        self._users[key] = self._users.get(key, 0) + 1
+        try:
+            yield session
+        finally:
+            self._users[key] -= 1
+            await self._close_idle()
+
+    async def _close_idle(self) -> None:
+        while len(self._sessions) > MAX_SESSIONS:
+            idle = next((k for k in self._sessions if not self._users.get(k)), None)
+            if idle is None:
+                return  # every one is in use: closed as their calls end
+            self._users.pop(idle, None)
+            await self._sessions.pop(idle).close()
 
     def _open(self, hosts: tuple[str, ...], scheme: str) -> aiohttp.ClientSession:
         # no DNS cache: every connect resolves (and checks) again; no cookie jar, no proxy env

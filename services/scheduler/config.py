@@ -6,6 +6,7 @@ The core's settings are a nested :class:`CoreConfig` whose fields keep their fla
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,9 @@ from tangram import config
 from tangram.config import MeshConfig
 
 PREFIX = "TANGRAM_SCHEDULER_"
+# The live scheduler pipelines grants to full nodes (core/pipeline.py); the core's own default
+# (the simulator's, whose virtual agents start what they get at once) does not.
+LIVE_DEFAULTS = {f"{PREFIX}PIPELINE": "true"}
 
 
 class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -58,5 +62,5 @@ def load(overrides: Mapping[str, Any] | None = None) -> tuple[MeshConfig, Schedu
     """The mesh's config and the scheduler's, its core's fields read under their flat names."""
     mesh, cfg = config.service(SchedulerConfig, PREFIX, overrides)
     own = {k: v for k, v in (overrides or {}).items() if k in CoreConfig.__struct_fields__}
-    core = config.load(CoreConfig, PREFIX, own)
+    core = config.load(CoreConfig, PREFIX, own, environ={**LIVE_DEFAULTS, **os.environ})
     return mesh, msgspec.structs.replace(cfg, core=core)

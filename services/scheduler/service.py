@@ -23,7 +23,7 @@ from typing import Any
 import asyncpg
 from nats.aio.msg import Msg
 
-from services.scheduler import config, gpu_shell, quota_store, store
+from services.scheduler import config, gpu_shell, pressure, quota_store, store
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core.effects import (
     DropEnvOnNode,
@@ -47,10 +47,13 @@ from tangram.contract import (
     Ack,
     CancelCmd,
     CloseEnvCmd,
+    Commands,
     Completion,
+    Completions,
     Dispatch,
     DropEnv,
     Enqueue,
+    EnqueueMany,
     EnvExpired,
     Kill,
     LeaseEnd,
@@ -105,8 +108,12 @@ class Scheduler(Service):
         self.core = SchedulerCore(make_policy(cfg.policy_spec()), cfg.core)
         self.quotas = QuotaCore(cfg.quota_config())  # http and lease actions
         self.epoch = 0
-        self.starts = self._writer("started-writer")  # synchronous_commit off
-        self.records = self._writer("record-writer")  # terminal and env records
+        # Node reports, not the started row, say whether an action started, so its commit need
+        # not wait for the WAL flush; the terminal one always does.
+        self._start_conn = db.Held(pool, db.CUSTOM_PLANS, "SET synchronous_commit = off")
+        self._record_conn = db.Held(pool, db.CUSTOM_PLANS)
+        self.starts = self._writer("started-writer", self._start_conn)
+        self.records = self._writer("record-writer", self._record_conn)  # terminal and envs
         self.pending: dict[str, asyncio.Future[None]] = {}  # finish records not yet committed
         self._commands: asyncio.Queue[_Command] = asyncio.Queue()
         self._dirty = asyncio.Event()
@@ -138,6 +145,7 @@ class Scheduler(Service):
         """Stop intake and flush the writers; ``build``'s stack then closes the bus and pool."""
         await self.bus.stop_serving(grace_s)
         await asyncio.gather(*(w.close(grace_s) for w in (self.starts, self.records)))
+        await asyncio.gather(self._start_conn.release(), self._record_conn.release())
 
     async def _rebuild(self) -> None:
         """Rebuild the books from Postgres; node reports confirm them (see core)."""
@@ -167,12 +175,15 @@ class Scheduler(Service):
         core = self.quotas if ask_of(action) is not None else self.core
         core.enqueue(action, now)
 
-    def _writer(self, name: str) -> db.GroupCommit[store.Record, None]:
-        """A durable writer (started with the service)."""
-        return db.GroupCommit(self._write, max_batch=1024, retry=WRITE_RETRY, name=name)
+    def _writer(self, name: str, conn: db.Held) -> db.GroupCommit[store.Record, None]:
+        """A durable writer on its own held connection (started with the service)."""
+        return db.GroupCommit(
+            partial(self._write, conn), max_batch=1024, retry=WRITE_RETRY, name=name
+        )
 
-    async def _write(self, batch: Sequence[store.Record]) -> list[None]:
-        return await store.write(self.pool, batch, self.clock())
+    async def _write(self, conn: db.Held, batch: Sequence[store.Record]) -> list[None]:
+        now = self.clock()
+        return await conn.run(lambda c: store.write(c, batch, now))
 
     # ------------------------------------------------------------------ handlers
 
@@ -183,6 +194,11 @@ class Scheduler(Service):
         match req:
             case Enqueue(action=action):
                 self._enqueue(action, now)
+                self._dirty.set()
+                return None
+            case EnqueueMany(actions=actions):
+                for action in actions:
+                    self._enqueue(action, now)
                 self._dirty.set()
                 return None
             case CloseEnvCmd(trajectory_id=tid):
@@ -220,6 +236,8 @@ class Scheduler(Service):
         match req:
             case Completion():
                 return await self._completion(req, now)
+            case Completions(items=items):
+                return await self._completions(items, now)
             case NodeReport():
                 core = self.quotas if req.inventory.kind == "quota" else self.core
                 await self.apply(core.node_report(req, now))
@@ -242,6 +260,17 @@ class Scheduler(Service):
         await self._recorded([aid])  # a duplicate waits too: ack only what is committed
         return Ack()
 
+    async def _completions(self, items: tuple[Completion, ...], now: float) -> Ack:
+        """Completions that ended together: applied in order, acked once all are committed."""
+        effects: list[Effect] = []
+        for c in items:
+            owner = self.quotas if self.quotas.owns(c.action_id) else self.core
+            effects += owner.complete(c, now)
+        self._dirty.set()
+        await self.apply(effects)
+        await self._recorded([c.action_id for c in items])
+        return Ack()
+
     async def _recorded(self, action_ids: list[str]) -> None:
         """Wait until these actions' terminal records are committed (raises if they cannot be)."""
         for aid in action_ids:
@@ -252,23 +281,29 @@ class Scheduler(Service):
     # ------------------------------------------------------------------ effects
 
     async def apply(self, effects: list[Effect]) -> None:
-        """Record the effects and queue node commands (before any ``await``), then push results."""
+        """Record the effects and queue node commands (before any ``await``), then push results:
+        one message per client for the results of one pass."""
         for e in effects:
             self._queue(e)
+        by_client: dict[str, list[Finish]] = {}
         for e in effects:
             if isinstance(e, Finish) and e.action.reply_subject:
-                await self._push(e)
+                by_client.setdefault(e.action.reply_subject, []).append(e)
+        for subject, done in by_client.items():
+            await self._push(subject, done)
 
-    async def _push(self, e: Finish) -> None:
-        """Push a result to its client; if the broker is away the client asks the gateway."""
+    async def _push(self, subject: str, done: list[Finish]) -> None:
+        """Push results to their client (a lone one with its trace context, several as a
+        list); if the broker is away the client asks the gateway."""
         try:
-            await self.bus.publish(
-                subjects.result_push(e.action.reply_subject),
-                e.result,
-                traceparent=e.action.traceparent,
-            )
+            if len(done) == 1:
+                one = done[0]
+                trace = one.action.traceparent
+                await self.bus.publish(subjects.result_push(subject), one.result, traceparent=trace)
+            else:
+                await self.bus.publish(subjects.result_push(subject), [f.result for f in done])
         except TangramError as exc:
-            log.info("result of %s not pushed: %s", e.result.action_id, exc)
+            log.info("results of %s not pushed: %s", [f.result.action_id for f in done], exc)
 
     def _queue(self, e: Effect) -> None:
         match e:
@@ -295,32 +330,40 @@ class Scheduler(Service):
         if not fut.cancelled() and fut.exception() is None and self.pending.get(aid) is fut:
             del self.pending[aid]
 
-    async def _send(self, e: NodeEffect) -> None:
+    def _message(self, e: NodeEffect) -> Dispatch | Kill | DropEnv | Prepare | None:
+        """The node command for an effect; None for a dispatch no longer meant to run."""
         match e:
             case StartOnNode():
-                if self._still_assigned(e):
-                    cmd = Dispatch(
-                        action=e.action,
-                        cores=e.cores,
-                        epoch=self.epoch,
-                        incarnation=e.incarnation,
-                        gpus=e.gpus,
-                        service=e.service,
-                        quota=e.quota,
-                        tokens=e.tokens,
-                    )
-                    await self.bus.publish(
-                        subjects.node(e.node_id), cmd, traceparent=e.action.traceparent
-                    )
+                if not self._still_assigned(e):
+                    return None
+                return Dispatch(
+                    action=e.action,
+                    cores=e.cores,
+                    epoch=self.epoch,
+                    incarnation=e.incarnation,
+                    gpus=e.gpus,
+                    service=e.service,
+                    quota=e.quota,
+                    tokens=e.tokens,
+                    after=e.after,
+                )
             case KillOnNode():
-                kill = Kill(action_id=e.action_id, epoch=self.epoch, reason=e.reason)
-                await self.bus.publish(subjects.node(e.node_id), kill)
+                return Kill(action_id=e.action_id, epoch=self.epoch, reason=e.reason)
             case DropEnvOnNode():
-                drop = DropEnv(trajectory_id=e.trajectory_id, epoch=self.epoch)
-                await self.bus.publish(subjects.node(e.node_id), drop)
+                return DropEnv(trajectory_id=e.trajectory_id, epoch=self.epoch)
             case PrepareOnNode():
-                prepare = Prepare(services=e.services, epoch=self.epoch)
-                await self.bus.publish(subjects.node(e.node_id), prepare)
+                return Prepare(services=e.services, epoch=self.epoch)
+
+    async def _send(self, node_id: str, items: list[Dispatch | Kill | DropEnv | Prepare]) -> None:
+        """One message per node: a lone command as itself (a dispatch with its trace
+        context), several as one ``Commands``."""
+        if len(items) == 1:
+            one = items[0]
+            trace = one.action.traceparent if isinstance(one, Dispatch) else ""
+            await self.bus.publish(subjects.node(node_id), one, traceparent=trace)
+        else:
+            batch = Commands(items=tuple(items), epoch=self.epoch)
+            await self.bus.publish(subjects.node(node_id), batch)
 
     def _still_assigned(self, e: StartOnNode) -> bool:
         """While its record committed, the attempt may have been redone or its node lost."""
@@ -334,16 +377,25 @@ class Scheduler(Service):
     # ------------------------------------------------------------------ loops
 
     async def _command_loop(self) -> None:
-        """Send node commands in the core's order; a dispatch once its start is committed."""
+        """Send node commands in the core's order, a dispatch once its start is committed;
+        what is queued together goes together, one message per node."""
         while True:
-            cmd = await self._commands.get()
-            if cmd.recorded is not None and not await _committed(cmd.recorded):
-                continue
-            try:
-                await self._send(cmd.effect)
-            except TangramError as exc:  # broker away: a lost dispatch is redone after its
-                # grace, a lost kill is sent again on the node's next report
-                log.warning("node command not sent: %s", exc)
+            cmds = [await self._commands.get()]
+            while not self._commands.empty():
+                cmds.append(self._commands.get_nowait())
+            by_node: dict[str, list[Dispatch | Kill | DropEnv | Prepare]] = {}
+            for cmd in cmds:
+                if cmd.recorded is not None and not await _committed(cmd.recorded):
+                    continue
+                item = self._message(cmd.effect)
+                if item is not None:
+                    by_node.setdefault(cmd.effect.node_id, []).append(item)
+            for node_id, items in by_node.items():
+                try:
+                    await self._send(node_id, items)
+                except TangramError as exc:  # broker away: a lost dispatch is redone after
+                    # its grace, a lost kill is sent again on the node's next report
+                    log.warning("node command not sent: %s", exc)
 
     async def _decide_loop(self) -> None:
         """Coalesce events into scheduling passes."""
@@ -364,10 +416,12 @@ class Scheduler(Service):
         self._waits_logged = dict(self.core.waits)
 
     async def _tick_loop(self) -> None:
+        gauge = pressure.Gauge(self.bus, self.epoch)  # the gateways' admission control
         while True:
             await asyncio.sleep(self.cfg.tick_s)
             now = self.clock()
             await self.apply(self.core.tick(now) + self.quotas.tick(now))
+            await gauge.publish(self.core, self.quotas, now)
             self._dirty.set()
 
     def _arm_quota_wake(self, now: float) -> None:

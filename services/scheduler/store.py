@@ -106,22 +106,25 @@ def _env_columns(rows: Sequence[EnvChanged], now: float) -> list[list[object]]:
     ]
 
 
-async def write(pool: asyncpg.Pool, records: Sequence[Record], now: float) -> list[None]:
-    """Apply a batch of records in one transaction, starts before finishes."""
+async def write(conn: asyncpg.Connection, records: Sequence[Record], now: float) -> list[None]:
+    """Apply a batch of records atomically, starts before finishes: one statement (one
+    transaction, no BEGIN/COMMIT round trips) unless the batch mixes kinds."""
     started = [r for r in records if isinstance(r, Started)]
     finished = [r for r in records if isinstance(r, Finish)]
     envs = [r for r in records if isinstance(r, EnvChanged)]
-    async with pool.acquire() as conn, conn.transaction():
-        if not finished and not envs:
-            # Only "started" marks: node reports, not this row, say whether an action started,
-            # so this commit need not wait for the WAL flush (the terminal one always does).
-            await conn.execute("SET LOCAL synchronous_commit = off")
-        if envs:
-            await conn.execute(_ENVS, *_env_columns(envs, now))
-        if started:
-            await conn.execute(_STARTED, *_started_columns(started))
-        if finished:
-            await conn.execute(_FINISHED, *_finished_columns(finished))
+    statements: list[tuple[str, list[list[object]]]] = []
+    if envs:
+        statements.append((_ENVS, _env_columns(envs, now)))
+    if started:
+        statements.append((_STARTED, _started_columns(started)))
+    if finished:
+        statements.append((_FINISHED, _finished_columns(finished)))
+    if len(statements) == 1:
+        await conn.execute(statements[0][0], *statements[0][1])
+    else:
+        async with conn.transaction():
+            for sql, columns in statements:
+                await conn.execute(sql, *columns)
     return [None] * len(records)
 
 

@@ -30,7 +30,7 @@ from tangram.contract import (
 )
 from tangram.launcher import Mesh
 
-from ..support import eventually, running_mesh
+from ..support import eventually, running_mesh, unbatched
 
 pytestmark = pytest.mark.slow
 
@@ -108,13 +108,14 @@ class FakeScheduler:
             m = codec.decode(msg.data, NodeMessage)
         except (msgspec.ValidationError, msgspec.DecodeError):
             return
-        self.heard.append(m)
-        if isinstance(m, NodeReport):
-            self.reports.put_nowait(m)
-        elif isinstance(m, Completion):
-            self.completions.append(m)
-        elif isinstance(m, NodeLeaving) and m.draining:
-            self.draining.set()
+        for one in unbatched(m):
+            self.heard.append(one)
+            if isinstance(one, NodeReport):
+                self.reports.put_nowait(one)
+            elif isinstance(one, Completion):
+                self.completions.append(one)
+            elif isinstance(one, NodeLeaving) and one.draining:
+                self.draining.set()
         if self.answer and msg.reply:
             await self.bus.reply(msg, Ack())
 

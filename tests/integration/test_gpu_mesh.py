@@ -31,7 +31,7 @@ from tangram.contract import (
 from tangram.errors import InvalidRequest
 from tangram.launcher import Mesh
 
-from ..support import eventually, running_mesh
+from ..support import eventually, running_mesh, unbatched
 from ..unit.test_gpu_agent import infer
 
 pytestmark = pytest.mark.slow
@@ -68,7 +68,7 @@ class FakeScheduler:
         self.heard: list[NodeMessage] = []
 
     async def on_node(self, msg: NodeMessage, _raw: Any) -> Ack:
-        self.heard.append(msg)
+        self.heard += unbatched(msg)
         return Ack()
 
     def service(self, name: str) -> PreparedService | None:

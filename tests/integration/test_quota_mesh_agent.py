@@ -32,7 +32,7 @@ from tangram.contract import (
 from tangram.launcher import Mesh
 from tests.ratelimited_server import RateLimitedServer, ServerConfig
 
-from ..support import eventually, running_mesh
+from ..support import eventually, running_mesh, unbatched
 
 pytestmark = pytest.mark.slow
 
@@ -63,11 +63,11 @@ class StandIn:
         self.wire.append(msg.subject.encode() + bytes(msg.data) + repr(msg.headers).encode())
 
     async def _on_msg(self, msg: Msg) -> None:
-        m = codec.decode(msg.data, NodeMessage)
-        if isinstance(m, NodeReport):
-            self.reports.append(m)
-        elif isinstance(m, Completion):
-            self.completions.append(m)
+        for m in unbatched(codec.decode(msg.data, NodeMessage)):
+            if isinstance(m, NodeReport):
+                self.reports.append(m)
+            elif isinstance(m, Completion):
+                self.completions.append(m)
         if msg.reply:
             await self.bus.reply(msg, Ack())
 

@@ -228,3 +228,85 @@ def test_goodbye_is_the_last_word(core: AgentCore):
     assert after == [[]] * len(after)
     with pytest.raises(InvalidRequest, match="has left"):
         core.command(Reconcile(epoch=9), (), 2.0)
+
+
+def pipelined(aid: str, after: tuple[str, ...], cores: tuple[int, ...] = (0,)) -> Dispatch:
+    return Dispatch(
+        action=dispatch(aid, cores).action, cores=cores, epoch=1, incarnation="inc", after=after
+    )
+
+
+def runs(effects: list[Effect]) -> list[str]:
+    return [e.dispatch.action.spec.action_id for e in effects if isinstance(e, Run)]
+
+
+def test_a_pipelined_dispatch_waits_for_its_cores_and_starts_without_a_round_trip(
+    core: AgentCore,
+):
+    assert runs(core.command(dispatch("a", (0, 1)), (), 0.0)) == ["a"]
+    assert core.command(pipelined("b", ("a",)), (), 0.1) == []  # waits behind a
+    assert core.command(pipelined("c", ("a",), (1,)), (), 0.1) == []
+    assert {r.action_id for r in report(core.heartbeat((), 0.2)).running} == {"a", "b", "c"}
+    assert core.progress.started == 1
+    ended = core.finished("a", ok(), 0.3)
+    assert runs(ended) == ["b", "c"]  # both start the moment a ends, in arrival order
+    assert [c.action_id for c in delivered(ended)] == ["a"]
+    assert core.busy == {0, 1}
+    assert core.progress.started == 3
+
+
+def test_a_pipelined_dispatch_never_jumps_an_earlier_one_on_a_core(core: AgentCore):
+    core.command(dispatch("a", (0,)), (), 0.0)
+    core.command(dispatch("x", (1,)), (), 0.0)
+    core.command(pipelined("b", ("a", "x"), (0, 1)), (), 0.0)
+    core.command(pipelined("c", ("a",), (0,)), (), 0.0)
+    assert runs(core.finished("a", ok(), 0.1)) == []  # b still waits for core 1; c behind b
+    assert runs(core.finished("x", ok(), 0.2)) == ["b"]
+    assert runs(core.finished("b", ok(), 0.3)) == ["c"]
+
+
+def test_a_pipelined_dispatch_must_name_what_holds_its_cores(core: AgentCore):
+    core.command(dispatch("a", (0,)), (), 0.0)
+    core.command(dispatch("x", (1,)), (), 0.0)
+    with pytest.raises(InvalidRequest, match="overlaps busy cores"):
+        core.command(pipelined("b", ("a",), (0, 1)), (), 0.0)  # core 1 is x's
+    with pytest.raises(InvalidRequest, match="overlaps busy cores"):
+        core.command(dispatch("c", (0,)), (), 0.0)  # no ``after``: refused as before
+    assert core.refused_overlaps == 2
+
+
+def test_a_pipelined_dispatch_whose_cores_are_already_free_starts_at_once(core: AgentCore):
+    core.command(dispatch("a", (0,)), (), 0.0)
+    core.finished("a", ok(), 0.1)  # a ended before b arrived
+    assert runs(core.command(pipelined("b", ("a",)), (), 0.2)) == ["b"]
+
+
+def test_a_waiting_dispatch_killed_or_dropped_ends_at_once_never_run(core: AgentCore):
+    core.command(dispatch("a", (0, 1)), (), 0.0)
+    core.command(pipelined("b", ("a",), (0,)), (), 0.0)
+    core.command(
+        pipelined(
+            "c",
+            ("a",),
+            (1,),
+        ),
+        (),
+        0.0,
+    )
+    killed = core.command(Kill(action_id="b", epoch=1, reason=ErrorKind.CANCELLED), (), 0.1)
+    (done,) = delivered(killed)
+    assert (done.action_id, done.outcome.failure) == ("b", ErrorKind.CANCELLED)
+    assert not [e for e in killed if isinstance(e, Stop)]  # nothing runs to stop
+    dropped = core.command(DropEnv(trajectory_id="t-c", epoch=1), (), 0.2)
+    assert [c.action_id for c in delivered(dropped)] == ["c"]
+    assert runs(core.finished("a", ok(), 0.3)) == []
+    assert core.busy == set()
+
+
+def test_at_shutdown_a_waiting_dispatch_is_forgotten_so_it_is_queued_again(core: AgentCore):
+    core.command(dispatch("a", (0,)), (), 0.0)
+    core.command(pipelined("b", ("a",)), (), 0.0)
+    assert core.kill_all(ErrorKind.NODE_DIED) == [Stop("a")]
+    core.finished("a", ok(), 0.1)
+    (bye,) = [e for e in core.goodbye(()) if isinstance(e, Announce)]
+    assert bye.msg.started == ("a",)  # b never started: the scheduler queues it again

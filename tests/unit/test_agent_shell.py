@@ -14,6 +14,7 @@ from tangram.agent import Agent, AgentConfig
 from tangram.contract import (
     Ack,
     Completion,
+    Completions,
     Dispatch,
     ErrorKind,
     Inventory,
@@ -26,7 +27,7 @@ from tangram.contract import (
 from tangram.errors import Unavailable
 from tangram.membus import MemoryBroker
 
-from ..support import eventually
+from ..support import eventually, unbatched
 from .test_agent_core import dispatch
 
 
@@ -69,8 +70,8 @@ class FakeScheduler:
         self.acking = asyncio.Event()
 
     async def on_node(self, msg: NodeMessage, _raw: Any) -> Ack:
-        self.heard.append(msg)
-        if isinstance(msg, Completion) and not self.acking.is_set():
+        self.heard += unbatched(msg)
+        if isinstance(msg, Completion | Completions) and not self.acking.is_set():
             raise Unavailable("not now")
         return Ack()
 

@@ -36,7 +36,7 @@ from tangram.contract import (
 from tangram.membus import MemoryBroker
 
 from .. import gpu_models
-from ..support import eventually
+from ..support import eventually, unbatched
 
 M = "tests.gpu_models"
 
@@ -48,7 +48,7 @@ class FakeScheduler:
         self.heard: list[NodeMessage] = []
 
     async def on_node(self, msg: NodeMessage, _raw: Any) -> Ack:
-        self.heard.append(msg)
+        self.heard += unbatched(msg)
         return Ack()
 
     def reports(self) -> list[NodeReport]:

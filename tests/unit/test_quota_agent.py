@@ -232,6 +232,22 @@ async def test_close_ends_calls_in_flight(upstream):
     assert (await asyncio.wait_for(run, 5)).failure is ErrorKind.CANCELLED
 
 
+async def test_a_session_in_use_is_never_closed_to_make_room(
+    executor, upstream, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr("services.quota_manager.http.MAX_SESSIONS", 1)
+    held = dispatch(f"{upstream.url}/hold", (host_of(upstream),), aid="held")
+    run = asyncio.create_task(executor.run(held))
+    await eventually(lambda: upstream.held == 1, what="the call to reach the upstream")
+    other = dispatch(f"{upstream.url}/echo", (host_of(upstream), "example.org"), aid="other")
+    assert (await executor.run(other)).failure is None  # a second allow-list: a second session
+    upstream.gate.set()
+    out = await asyncio.wait_for(run, 5)
+    assert out.failure is None, out  # its session was not closed under it
+    assert out.http is not None
+    assert out.http.body == b"late"
+
+
 def ticks() -> Callable[[], float]:
     """A clock reading 1, 2, 3, ... on successive calls (the run, the attempt, the send...)."""
     count = itertools.count(1)

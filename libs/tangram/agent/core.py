@@ -14,6 +14,9 @@ carry. Decisions made here, once for every kind of agent:
   beside it. The scheduler then sees it unreported and queues it again after its dispatch
   grace; an overlap only arises while a kill is in flight (or from a bug), and sharing a core
   would break the isolation an action's pinning promises. Refusals are counted.
+- pipelining: a dispatch that names, in ``after``, the actions holding its units waits here
+  (reported as running) and starts the moment they are free, in arrival order, with no round
+  trip to the scheduler; killed or dropped while it waits, it ends at once, never run.
 - the outbox: a completion is delivered until acked; re-sent when older than ``resend_s``
   and not in flight, at once on ``Reconcile``, and a last time when leaving.
 - goodbye is last: once :meth:`AgentCore.goodbye` returned, every method returns nothing
@@ -30,6 +33,7 @@ import msgspec
 
 from tangram.agent.fit import COMPLETION_BUDGET, fit_completion
 from tangram.contract import (
+    Commands,
     Completion,
     Dispatch,
     DropEnv,
@@ -163,6 +167,7 @@ class AgentCore:
         self.active: dict[str, _Active] = {}
         self.unacked: dict[str, _Unacked] = {}
         self.busy: set[int] = set()  # granted units held by running actions
+        self.waiting: dict[str, Dispatch] = {}  # pipelined dispatches, in arrival order
         self.progress = Progress()
         self.refused_overlaps = 0
         self.duplicates = 0
@@ -232,15 +237,17 @@ class AgentCore:
             case Dispatch():
                 return self._dispatch(cmd, now)
             case Kill(action_id=aid, reason=reason):
-                return self._kill(aid, reason)
+                return self._kill(aid, reason, now)
             case DropEnv(trajectory_id=tid):
-                return self._drop(tid)
+                return self._drop(tid, now)
             case Reconcile():
                 return self.heartbeat(envs, now) + self._deliver_all(now)
             case Prepare(services=services):
                 if not self.prepares:
                     raise InvalidRequest("this agent prepares no model services")
                 return [PrepareServices(services)]
+            case Commands():  # the shell unpacks a batch, logging each refusal
+                raise InvalidRequest("a batch of commands is taken one command at a time")
 
     def _dispatch(self, d: Dispatch, now: float) -> list[Effect]:
         inc = d.incarnation
@@ -252,30 +259,69 @@ class AgentCore:
         if aid in self.active or aid in self.unacked:
             self.duplicates += 1
             return []  # the first one is running or done
-        overlap = self.busy & set(d.cores)
-        if overlap:
+        overlap = self._claimed() & set(d.cores)
+        if overlap and not overlap <= self._held_by(d.after):
             self.refused_overlaps += 1
             raise InvalidRequest(f"dispatch of {aid} overlaps busy cores {sorted(overlap)}")
-        self.busy |= set(d.cores)
         # Reported back as the action's units: its cores, or its GPUs (whose one-at-a-time
         # use the GPU executor enforces, batching calls to one resident service).
         units = d.cores or d.gpus
         self.active[aid] = _Active(d.action.attempt, d.action.spec.trajectory_id, units)
+        if overlap:
+            self.waiting[aid] = d
+            return []
+        return self._start(d, now)
+
+    def _start(self, d: Dispatch, now: float) -> list[Effect]:
+        self.busy |= set(d.cores)
         self._progressed(now, started=1)
         return [Run(d)]
 
-    def _kill(self, action_id: str, reason: ErrorKind) -> list[Effect]:
+    def _claimed(self) -> set[int]:
+        """Units held by running actions or promised to waiting ones."""
+        return self.busy.union(*(w.cores for w in self.waiting.values()))
+
+    def _held_by(self, action_ids: tuple[str, ...]) -> set[int]:
+        return set().union(*(self.active[a].units for a in action_ids if a in self.active))
+
+    def _start_waiting(self, now: float) -> list[Effect]:
+        """Start, in arrival order, each waiting dispatch whose units are all free now."""
+        effects: list[Effect] = []
+        taken = set(self.busy)
+        for aid, d in list(self.waiting.items()):
+            if taken.isdisjoint(d.cores):
+                del self.waiting[aid]
+                effects += self._start(d, now)
+            taken |= set(d.cores)  # a later one never jumps an earlier one on a unit
+        return effects
+
+    def _end_waiting(self, aid: str, reason: ErrorKind, now: float) -> list[Effect]:
+        """A waiting dispatch killed: it ends now, never having run."""
+        del self.waiting[aid]
+        active = self.active.pop(aid)
+        detail = "killed on request before it started"
+        outcome = Outcome(failure=reason, detail=detail, started_at=now, finished_at=now)
+        return self._report(aid, active, outcome, now)
+
+    def _kill(self, action_id: str, reason: ErrorKind, now: float) -> list[Effect]:
         active = self.active.get(action_id)
         if active is None:
             return []
+        if action_id in self.waiting:
+            return self._end_waiting(action_id, reason, now)
         active.kill_reason = reason
         return [Stop(action_id)]
 
-    def _drop(self, trajectory_id: str) -> list[Effect]:
-        for a in self.active.values():
-            if a.trajectory_id == trajectory_id:
+    def _drop(self, trajectory_id: str, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        for aid, a in list(self.active.items()):
+            if a.trajectory_id != trajectory_id:
+                continue
+            if aid in self.waiting:
+                effects += self._end_waiting(aid, ErrorKind.CANCELLED, now)
+            else:
                 a.kill_reason = ErrorKind.CANCELLED
-        return [Drop(trajectory_id)]
+        return [*effects, Drop(trajectory_id)]
 
     def _progressed(self, now: float, started: int = 0, finished: int = 0) -> None:
         p = self.progress
@@ -295,11 +341,19 @@ class AgentCore:
 
     def finished(self, action_id: str, outcome: Outcome, now: float) -> list[Effect]:
         """An action ended: free its units and deliver its completion (fitted to a message)."""
+        if action_id in self.waiting:  # not started: nothing of it ran
+            return []
         active = self.active.pop(action_id, None)
         if active is None:
             return []
         self.busy -= set(active.units)
         self._progressed(now, finished=1)
+        return self._report(action_id, active, outcome, now) + self._start_waiting(now)
+
+    def _report(
+        self, action_id: str, active: _Active, outcome: Outcome, now: float
+    ) -> list[Effect]:
+        """Deliver an ended action's completion (fitted to a message) until it is acked."""
         if self.gone:
             return []
         completion = Completion(
@@ -372,7 +426,12 @@ class AgentCore:
         return [Announce(self._leaving(draining=True))]
 
     def kill_all(self, reason: ErrorKind) -> list[Effect]:
-        """Kill what still runs (the drain bound is spent), reporting ``reason``."""
+        """Kill what still runs (the drain bound is spent), reporting ``reason``. What still
+        waits is forgotten: the goodbye does not list it as started, so the scheduler queues
+        it again (it never ran)."""
+        for aid in list(self.waiting):
+            del self.waiting[aid]
+            del self.active[aid]
         for a in self.active.values():
             a.kill_reason = reason
         return [Stop(aid) for aid in self.active]

@@ -10,6 +10,7 @@ tests).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -34,7 +35,9 @@ from tangram.agent.core import (
 from tangram.bus import BaseBus
 from tangram.contract import (
     Ack,
+    Commands,
     Completion,
+    Completions,
     Dispatch,
     EnvExpired,
     ErrorKind,
@@ -119,6 +122,7 @@ class Agent(Service):
         self._runs: set[asyncio.Task[None]] = set()
         self._sends: set[asyncio.Task[None]] = set()
         self._prepares: set[asyncio.Task[None]] = set()
+        self._outgoing: list[Completion] = []  # completions of this turn of the loop
 
     @property
     def node_id(self) -> str:
@@ -151,6 +155,7 @@ class Agent(Service):
         await self._cancel_tasks()
         await _wait(self._prepares, 0.0, cancel=True)
         await self._apply(self.core.flush(self.clock()))
+        self._send_outgoing()  # now, not on the next turn: the wait below covers it
         await _wait(self._sends, self.cfg.flush_s, cancel=True)
         envs = tuple(self.executor.envs())
         await self.executor.close()
@@ -160,13 +165,21 @@ class Agent(Service):
     # ------------------------------------------------------------------ commands
 
     async def on_command(self, cmd: NodeCommand, msg: Msg) -> Ack:
+        if not isinstance(cmd, Commands):
+            await self._command(cmd)
+            return Ack()
+        for item in cmd.items:  # one refused command does not stop the others
+            with contextlib.suppress(InvalidRequest):
+                await self._command(item)
+        return Ack()
+
+    async def _command(self, cmd: NodeCommand) -> None:
         try:
             effects = self.core.command(cmd, self.executor.envs(), self.clock())
         except InvalidRequest as exc:
             log.warning("%s %s: refused %s: %s", self.name, self.node_id, type(cmd).__name__, exc)
             raise
         await self._apply(effects)
-        return Ack()
 
     # ------------------------------------------------------------------ effects
 
@@ -183,7 +196,7 @@ class Agent(Service):
                     if self.core.may_send(m):
                         await self.bus.publish(subjects.SCHED_NODES, self._with_services(m))
                 case Deliver(completion=c):
-                    self._own(self._deliver(c), self._sends)
+                    self._coalesce(c)
                 case Announce(msg=m):
                     await self._announce(m)
                 case PrepareServices(services=specs):
@@ -218,22 +231,35 @@ class Agent(Service):
         now = self.clock()
         return Outcome(failure=ErrorKind.INTERNAL, detail=detail, started_at=now, finished_at=now)
 
-    async def _deliver(self, c: Completion) -> None:
-        if not self.core.may_send(c):
+    def _coalesce(self, c: Completion) -> None:
+        """Completions due in one turn of the event loop travel in one message."""
+        if not self._outgoing:
+            asyncio.get_running_loop().call_soon(self._send_outgoing)
+        self._outgoing.append(c)
+
+    def _send_outgoing(self) -> None:
+        batch, self._outgoing = self._outgoing, []
+        if batch:
+            self._own(self._deliver(batch), self._sends)
+
+    async def _deliver(self, batch: list[Completion]) -> None:
+        batch = [c for c in batch if self.core.may_send(c)]
+        if not batch:
             return
+        msg = batch[0] if len(batch) == 1 else Completions(items=tuple(batch))
+        ids = ", ".join(c.action_id for c in batch)
+        delivered = False
         try:
-            await self.bus.request(subjects.SCHED_NODES, c, timeout=self.cfg.completion_timeout_s)
+            await self.bus.request(subjects.SCHED_NODES, msg, timeout=self.cfg.completion_timeout_s)
+            delivered = True
         except InvalidRequest as exc:  # refused: it will be again; say so louder
-            log.warning("completion of %s refused: %s", c.action_id, exc)
-            self.core.undelivered(c.action_id)
+            log.warning("completion of %s refused: %s", ids, exc)
         except TangramError as exc:
-            log.info("completion of %s not acknowledged yet: %s", c.action_id, exc)
-            self.core.undelivered(c.action_id)
-        except Exception:  # a bug: still never leave the completion marked in flight
-            log.exception("sending the completion of %s failed", c.action_id)
-            self.core.undelivered(c.action_id)
-        else:
-            self.core.delivered(c.action_id)
+            log.info("completion of %s not acknowledged yet: %s", ids, exc)
+        except Exception:  # a bug: still never leave a completion marked in flight
+            log.exception("sending the completion of %s failed", ids)
+        for c in batch:
+            (self.core.delivered if delivered else self.core.undelivered)(c.action_id)
 
     async def _announce(self, m: NodeLeaving) -> None:
         """Best effort: the scheduler may be down, and the agent leaves anyway."""

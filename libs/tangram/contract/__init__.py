@@ -9,13 +9,16 @@ for any message:
 - :mod:`~tangram.contract.client`: what clients send the gateway and get back.
 - :mod:`~tangram.contract.scheduler`: gateway → scheduler (the unified action of §4.1).
 - :mod:`~tangram.contract.agent`: scheduler ↔ node agents (commands, reports, outcomes).
+- :mod:`~tangram.contract.pressure`: scheduler → gateways: the load behind admission control.
 
 One subject carries one union type (see :mod:`tangram.subjects`).
 """
 
 from tangram.contract.agent import (
     Ack,
+    Commands,
     Completion,
+    Completions,
     Dispatch,
     DropEnv,
     EnvExpired,
@@ -101,6 +104,7 @@ from tangram.contract.hosts import (
     parse_entry,
     parse_port,
 )
+from tangram.contract.pressure import Pressure
 from tangram.contract.resources import (
     MAX_HOSTS,
     MAX_SERVICE_OUTPUT,
@@ -124,6 +128,7 @@ from tangram.contract.scheduler import (
     CloseEnvCmd,
     Demand,
     Enqueue,
+    EnqueueMany,
     LeaseEnd,
     NodeRow,
     QueuedRow,
@@ -162,7 +167,9 @@ __all__ = [
     "CloseEnv",
     "CloseEnvCmd",
     "Codec",
+    "Commands",
     "Completion",
+    "Completions",
     "Concurrency",
     "Cores",
     "Count",
@@ -173,6 +180,7 @@ __all__ = [
     "DropEnv",
     "DurationHint",
     "Enqueue",
+    "EnqueueMany",
     "EnvExpired",
     "EnvName",
     "ErrorKind",
@@ -211,6 +219,7 @@ __all__ = [
     "PosSeconds",
     "Prepare",
     "PreparedService",
+    "Pressure",
     "Progress",
     "QueuedRow",
     "QuotaCmd",

@@ -141,7 +141,14 @@ class NodeLeaving(_Msg, tag="node_leaving"):
     envs: tuple[str, ...] | None = None
 
 
-NodeMessage = Completion | NodeReport | EnvExpired | NodeLeaving
+class Completions(_Msg, tag="completions"):
+    """Completions that ended together, in one message (acked together, once every terminal
+    record is committed)."""
+
+    items: tuple[Completion, ...]
+
+
+NodeMessage = Completion | Completions | NodeReport | EnvExpired | NodeLeaving
 
 
 class Ack(_Msg, tag="ack"):
@@ -164,6 +171,9 @@ class Dispatch(_Msg, tag="dispatch"):
     service: ServiceSpec | None = None
     quota: QuotaSpec | None = None
     tokens: int = 0
+    # Pipelining: cores granted while these actions (dispatched here earlier) still hold them;
+    # the agent starts this one the moment they are free, without a round trip.
+    after: tuple[str, ...] = ()
 
 
 class Kill(_Msg, tag="kill"):
@@ -190,4 +200,12 @@ class Reconcile(_Msg, tag="reconcile"):
     epoch: int
 
 
-NodeCommand = Dispatch | Kill | DropEnv | Prepare | Reconcile
+class Commands(_Msg, tag="commands"):
+    """Several commands for one node, in the order the scheduler decided them: every grant of
+    one scheduling pass travels in one message."""
+
+    items: tuple[Dispatch | Kill | DropEnv | Prepare, ...]
+    epoch: int
+
+
+NodeCommand = Dispatch | Kill | DropEnv | Prepare | Reconcile | Commands

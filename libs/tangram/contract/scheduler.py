@@ -42,6 +42,12 @@ class Enqueue(_Msg, tag="enqueue"):
     action: UnifiedAction
 
 
+class EnqueueMany(_Msg, tag="enqueue_many"):
+    """Actions made durable together, handed to the scheduler in one message."""
+
+    actions: tuple[UnifiedAction, ...]
+
+
 class CloseEnvCmd(_Msg, tag="close_env"):
     trajectory_id: str
 
@@ -87,6 +93,7 @@ class Resources(_Msg, tag="resources_state"):
 
 SchedulerRequest = (
     Enqueue
+    | EnqueueMany
     | CloseEnvCmd
     | CancelCmd
     | StatusQuery

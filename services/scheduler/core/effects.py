@@ -34,6 +34,7 @@ class StartOnNode:
     service: ServiceSpec | None = None
     quota: QuotaSpec | None = None  # an http call: its quota (hosts, key name) ...
     tokens: int = 0  # ... and the tokens reserved for it
+    after: tuple[str, ...] = ()  # pipelined: the node starts it once these end (see pipeline)
 
     @property
     def units(self) -> tuple[int, ...]:

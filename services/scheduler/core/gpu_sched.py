@@ -49,7 +49,7 @@ from services.scheduler.core.effects import (
     StartOnNode,
     verdict,
 )
-from services.scheduler.core.gpu_share import GPU, Group, service_of
+from services.scheduler.core.gpu_share import Group, service_of
 from services.scheduler.core.registry import (
     Registration,
     failed_everywhere,
@@ -205,7 +205,8 @@ class GpuScheduler:
 
     def schedule(self, now: float) -> list[Effect]:
         """One pass over the queued infer actions (see the module docstring)."""
-        acts = [a for a in self.core.queue.values() if a.key_resource == GPU]
+        queue = self.core.queue
+        acts = [queue[aid] for aid in self.core.pending.gpu()]  # FCFS, as in the queue
         if not acts:
             return []
         effects: list[Effect] = []
@@ -272,6 +273,8 @@ class GpuScheduler:
         one has room: the agent batches it with the calls there, no free GPU is taken."""
         name = service_of(act)
         spec = self.services[name]
+        if spec.max_batch <= 1:  # a busy chunk holds a call already: none can join
+            return []
         best: tuple[int, int, str, tuple[int, ...]] | None = None
         for (node_id, gpus), shared in self._shared.items():
             node = self.core.nodes[node_id]
@@ -310,7 +313,7 @@ class GpuScheduler:
         return []
 
     def _fail(self, act: UnifiedAction, kind: ErrorKind, why: str, now: float) -> list[Effect]:
-        del self.core.queue[act.spec.action_id]
+        self.core.unqueue(act.spec.action_id)
         return self.core.finish(act, verdict(act, kind, why, now=now))
 
     def _floor(self, act: UnifiedAction) -> int:
@@ -433,7 +436,7 @@ class GpuScheduler:
         shared = self._shared.setdefault((node.node_id, gpus), gpu.Shared(name, len(gpus)))
         shared.calls += 1
         aid = act.spec.action_id
-        del self.core.queue[aid]
+        self.core.unqueue(aid)
         act = msgspec.structs.replace(act, attempt=act.attempt + 1)
         self.core.running[aid] = Dispatched(act, node.node_id, node.incarnation, gpus, now)
         spec = self.services[name]
@@ -455,7 +458,7 @@ class GpuScheduler:
             return False
         aid = run.action.spec.action_id
         self.oom_floor[aid] = min(larger)
-        self.core.queue = {aid: run.action, **self.core.queue}
+        self.core.requeue_first(run.action)
         return True
 
     def _dops_at(self, act: UnifiedAction, dop: int) -> bool:

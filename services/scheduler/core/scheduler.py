@@ -24,7 +24,7 @@ from typing import Annotated
 
 import msgspec
 
-from services.scheduler.core import views
+from services.scheduler.core import pipeline, views
 from services.scheduler.core.books import Dispatched, EnvPlacement, Node
 from services.scheduler.core.capacity import impossible, reclaim_plan
 from services.scheduler.core.effects import (
@@ -39,6 +39,7 @@ from services.scheduler.core.effects import (
 )
 from services.scheduler.core.gpu_sched import GpuOrder, GpuScheduler, new_facts
 from services.scheduler.core.gpu_share import GPU
+from services.scheduler.core.pending import HOMELESS, Pending
 from services.scheduler.core.placement import pick_cores
 from services.scheduler.policies.base import Learns, MinPolicy, PerPool, Policy, Waiting
 from tangram.contract import (
@@ -55,7 +56,7 @@ from tangram.contract import (
     UnifiedAction,
 )
 
-RECENT_LIMIT = 200_000  # finished action ids remembered to make late duplicates harmless
+RECENT_LIMIT = 200_000  # finished action ids remembered (at least) so late duplicates are harmless
 DEPARTED_LIMIT = 10_000  # node incarnations remembered as gone, so their late reports are ignored
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -75,6 +76,9 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # the longest an action that sets no ``queue_timeout_s`` waits before ``queue_timeout``
     # (None: no bound; the simulator's, whose virtual queues are the thing measured)
     queue_timeout_s: PositiveFloat | None = 1800.0
+    # grant a full node's next fixed-size actions on its busy cores (see pipeline); off in the
+    # simulator, whose virtual agents start what they get at once
+    pipeline: bool = False
 
 
 @dataclass
@@ -90,6 +94,8 @@ class _Pass:
     placed: dict[str, str] = field(default_factory=dict)  # trajectory -> node, this pass
     placed_mb: dict[str, int] = field(default_factory=dict)  # env memory placed per node
     unplaced_blocked: bool = False
+    follow: list[str] = field(default_factory=list)  # queued actions of trajectories placed
+    recheck: list[str] = field(default_factory=list)  # checked against a placement of this pass
 
 
 class SchedulerCore:
@@ -103,6 +109,7 @@ class SchedulerCore:
         self.gone_envs: dict[str, str] = {}  # trajectory -> why its environment is gone
         self.waits: dict[str, str] = {}  # queued action -> why it cannot be placed (status, log)
         self.queue: dict[str, UnifiedAction] = {}  # FCFS by insertion
+        self.pending = Pending()  # the queue's index: what a pass must look at
         self.running: dict[str, Dispatched] = {}
         # cancelled actions ended at their kill deadline whose cores the node may still use
         self.killed: dict[str, Dispatched] = {}
@@ -129,7 +136,37 @@ class SchedulerCore:
         if self.known(action.spec.action_id):
             return []
         self.queue[action.spec.action_id] = action
+        self._pend(action)
         return []
+
+    def requeue_first(self, action: UnifiedAction) -> None:
+        """Put ``action`` back at the head of the queue (its dispatch never ran)."""
+        aid = action.spec.action_id
+        self.queue = {aid: action, **self.queue}
+        self._pend(action, first=True)
+
+    def _pend(self, action: UnifiedAction, first: bool = False) -> None:
+        limit = self._queue_limit(action)
+        due = None if limit is None else action.submitted_at + limit
+        lane = self._lane(action)
+        self.pending.add(action.spec.action_id, action.spec.trajectory_id, lane, due, first)
+
+    def _queue_limit(self, action: UnifiedAction) -> float | None:
+        return action.spec.queue_timeout_s or self.cfg.queue_timeout_s
+
+    def unqueue(self, action_id: str) -> UnifiedAction | None:
+        """Take an action out of the queue (None: it was not queued)."""
+        action = self.queue.pop(action_id, None)
+        if action is not None:
+            self.pending.remove(action_id)
+        return action
+
+    def _lane(self, action: UnifiedAction) -> str | None:
+        """The pending lane: None for a GPU call, else where its environment is (or none)."""
+        if action.key_resource == GPU:
+            return None
+        env = self.envs.get(action.spec.trajectory_id)
+        return HOMELESS if env is None else env.node_id
 
     def restore_running(
         self,
@@ -146,6 +183,7 @@ class SchedulerCore:
 
     def restore_env(self, env: EnvPlacement) -> None:
         self.envs[env.trajectory_id] = env
+        self.pending.move(env.trajectory_id, env.node_id)
 
     def register_service(self, spec: ServiceSpec, now: float) -> list[Effect]:
         """Register (or update) a model service; ``ServiceSettled`` answers it later."""
@@ -194,11 +232,13 @@ class SchedulerCore:
             node = Node(report.node_id, report.incarnation, {}, 0, set(facts.gpus), now)
             node.kind, node.gpu = GPU, facts
             self.nodes[node.node_id] = node
+            self.pending.all_unchecked = True  # what can ever fit where may have changed
             return node
         numa = {n.numa_node: tuple(n.cores) for n in inv.numa}
         all_cores = {c for cs in numa.values() for c in cs}
         node = Node(report.node_id, report.incarnation, numa, inv.memory_mb, all_cores, now)
         self.nodes[node.node_id] = node
+        self.pending.all_unchecked = True
         return node
 
     def _drop_stale(self, node: Node, now: float) -> list[Effect]:
@@ -265,7 +305,7 @@ class SchedulerCore:
         self, node: Node, aid: str, cores: tuple[int, ...], attempt: int, now: float
     ) -> list[Effect]:
         """A node runs an action we only knew as queued (its dispatch record was lost)."""
-        action = self.queue.pop(aid, None)
+        action = self.unqueue(aid)
         self._views.pop(aid, None)
         if action is None or not (set(cores) <= node.free or self.gpu.shares(node, action, cores)):
             return [KillOnNode(node.node_id, aid, ErrorKind.INTERNAL)]
@@ -284,13 +324,14 @@ class SchedulerCore:
                 run.action, ErrorKind.CANCELLED, "cancelled before it started", now=now
             )
             return self._finish(run.action, cancelled)
-        self.queue = {aid: run.action, **self.queue}
+        self.requeue_first(run.action)
         return []
 
     def _node_lost(self, node: Node, now: float, why: str) -> list[Effect]:
         """Fail what ran there (it may have half-run) and lose its environments."""
         effects: list[Effect] = []
         del self.nodes[node.node_id]
+        self.pending.all_unchecked = True
         self._pools.pop(node.node_id, None)  # its reservations end with its environments
         for aid, run in list(self.running.items()):
             if run.node_id == node.node_id:
@@ -352,6 +393,7 @@ class SchedulerCore:
 
     def _end_env(self, env: EnvPlacement, status: str, reason: str) -> EnvChanged:
         self.envs.pop(env.trajectory_id, None)
+        self.pending.move(env.trajectory_id, HOMELESS)
         self._release(env.node_id, env.trajectory_id)
         node = self.nodes.get(env.node_id)
         if node is not None and node.incarnation == env.incarnation:
@@ -409,9 +451,16 @@ class SchedulerCore:
             self._give_back(node, run)
 
     def _give_back(self, node: Node, run: Dispatched) -> None:
-        """Free an ended run's units (a GPU chunk only when no other call shares it)."""
+        """Free an ended run's units (a GPU chunk only when no other call shares it). A core
+        granted next (pipelining) passes to that action instead; a waiting action that ends
+        leaves the core to its holder."""
         units = set(run.cores)
-        node.free |= units - self.gpu.held(node) if node.gpu is not None else units
+        if node.gpu is not None:
+            node.free |= units - self.gpu.held(node)
+            return
+        for core in units:
+            if node.next.pop(core, None) is None:
+                node.free.add(core)
 
     def finish(self, action: UnifiedAction, result: ActionResult) -> list[Effect]:
         """End an action no longer queued or running with ``result``."""
@@ -422,14 +471,16 @@ class SchedulerCore:
         self.gpu.forget(action.spec.action_id)
         self.waits.pop(action.spec.action_id, None)
         self.recent[action.spec.action_id] = None
-        if len(self.recent) > RECENT_LIMIT:
-            del self.recent[next(iter(self.recent))]
+        if len(self.recent) > RECENT_LIMIT + RECENT_LIMIT // 4:
+            # forget the oldest in one go: deleting one at a time from the front of a dict
+            # makes each next look at its front pass over every hole left before it
+            self.recent = dict.fromkeys(list(self.recent)[-RECENT_LIMIT:])
         return [Finish(action, result)]
 
     def cancel(
         self, action_id: str, now: float, why: str = "cancelled by the client"
     ) -> list[Effect]:
-        action = self.queue.pop(action_id, None)
+        action = self.unqueue(action_id)
         if action is not None:
             return self._finish(action, verdict(action, ErrorKind.CANCELLED, why, now=now))
         run = self.running.get(action_id)
@@ -446,7 +497,7 @@ class SchedulerCore:
     def close_env(self, trajectory_id: str, now: float) -> list[Effect]:
         """Cancel the trajectory's queued and running actions and remove its environment."""
         effects: list[Effect] = []
-        for aid in [a for a, act in self.queue.items() if act.spec.trajectory_id == trajectory_id]:
+        for aid in list(self.pending.by_tid.get(trajectory_id, ())):
             effects += self.cancel(aid, now, "environment closed")
         for aid, run in self.running.items():
             if run.action.spec.trajectory_id == trajectory_id:
@@ -465,22 +516,20 @@ class SchedulerCore:
         effects: list[Effect] = []
         for node in [n for n in self.nodes.values() if now - n.last_seen > self.cfg.node_timeout_s]:
             effects += self._node_lost(node, now, "no heartbeat")
-        for aid, act in list(self.queue.items()):
-            limit = act.spec.queue_timeout_s or self.cfg.queue_timeout_s
-            if limit is not None and now - act.submitted_at > limit:
-                del self.queue[aid]
-                effects += self._finish(
-                    act,
-                    verdict(
-                        act,
-                        ErrorKind.QUEUE_TIMEOUT,
-                        f"waited more than {limit}s in the queue" + _because(self.waits.get(aid)),
-                        now=now,
-                    ),
-                )
+        for aid in self.pending.expired(now, lambda aid: self._expired(aid, now)):
+            act = self.queue[aid]
+            self.unqueue(aid)
+            why = f"waited more than {self._queue_limit(act)}s in the queue"
+            why += _because(self.waits.get(aid))
+            effects += self._finish(act, verdict(act, ErrorKind.QUEUE_TIMEOUT, why, now=now))
         if now >= self.not_before + self.cfg.node_timeout_s:
             effects += self._fail_orphans(now)
         return effects + self._end_unconfirmed_kills(now) + self.gpu.settle(now)
+
+    def _expired(self, aid: str, now: float) -> bool:
+        act = self.queue[aid]
+        limit = self._queue_limit(act)
+        return limit is not None and now - act.submitted_at > limit
 
     def _end_unconfirmed_kills(self, now: float) -> list[Effect]:
         """Cancelled actions whose node did not confirm the kill in time end ``cancelled``;
@@ -532,33 +581,86 @@ class SchedulerCore:
         if now < self.not_before or not self.queue:
             return []
         p = _Pass()
-        effects: list[Effect] = self.gpu.schedule(now)
+        # GPU calls are granted by ``self.gpu``; with none queued it has nothing to do
+        effects: list[Effect] = self.gpu.schedule(now) if self.pending.has_gpu() else []
         cpu_nodes = sum(1 for n in self.nodes.values() if n.gpu is None)
-        for act in list(self.queue.values()):
-            if act.key_resource == GPU:
-                continue  # granted by ``self.gpu``
-            tid = act.spec.trajectory_id
-            node_id = self._node_of(tid, p)
-            if node_id is None and tid in self.gone_envs:
-                effects += self._report_lost(act, now)
-                continue
-            if self._could_not_fit(act, node_id):
-                impossible = self._reject_impossible(act, node_id, now)
-                if impossible:
-                    effects += impossible
-                    continue
-            if node_id is None:
-                if p.unplaced_blocked:
-                    continue
-                node_id, reclaimed = self._place_new(act, p)
-                effects += reclaimed
-                if node_id is None:
-                    continue
-            self._offer(p, node_id, act)
-            if len(p.full) == cpu_nodes:
-                break  # every pool is blocked with its lookahead filled: nothing later can start
+        walk = self.pending.walk(lambda lane: self._lane_open(p, lane), p.follow)
+        self.pending.begin_walk()
+        try:
+            for aid in walk:
+                effects += self._visit(self.queue[aid], p, now)
+                if p.full and len(p.full) == cpu_nodes:
+                    break  # every pool is blocked with its lookahead filled: nothing can start
+        finally:
+            walk.close()
+            self.pending.end_walk()
+        for aid in p.recheck:  # their trajectory may have no node next pass
+            self.pending.mark(aid)
         for node_id, waiting in p.waiting.items():
             effects += self._admit(self.nodes[node_id], waiting, now)
+        if self.cfg.pipeline:
+            for node_id, waiting in p.waiting.items():
+                effects += self._pipeline(self.nodes[node_id], waiting, now)
+        return effects
+
+    def _pipeline(self, node: Node, offered: list[UnifiedAction], now: float) -> list[Effect]:
+        """Grant a full CPU node's next actions on its busy cores (see pipeline): FCFS from
+        the head of what its pool offered and did not start, trajectories already there."""
+        if node.gpu is not None or node.draining or node.free:
+            return []  # free cores are the policy's to give
+        head: list[UnifiedAction] = []
+        for act in offered:
+            if act.spec.action_id not in self.queue:
+                continue  # started by the policy
+            env = self.envs.get(act.spec.trajectory_id)
+            if env is None or env.node_id != node.node_id:
+                break
+            head.append(act)
+        effects: list[Effect] = []
+        for grant in pipeline.plan(head, self._holders(node)):
+            node.next.update(dict.fromkeys(grant.cores, grant.action.spec.action_id))
+            effects += self._book(node, grant.action, grant.cores, now, grant.after)
+        return effects
+
+    def _holders(self, node: Node) -> list[pipeline.Holder]:
+        """The node's busy cores that no action is granted next, with what holds them."""
+        holders = []
+        for aid, run in self.running.items():
+            if run.node_id != node.node_id or run.kill_by is not None:
+                continue
+            for core in run.cores:
+                if core not in node.next:
+                    holders.append(pipeline.Holder(core, aid, run.started_at))
+        return holders
+
+    def _lane_open(self, p: _Pass, lane: str) -> bool:
+        """Whether an action of ``lane`` may still be offered or placed in this pass (what the
+        walk skips once not: in a full scan, visiting it would change nothing)."""
+        node = self.nodes.get(lane)
+        if node is None:  # no environment, or one on a node that is gone: placed anew
+            return not p.unplaced_blocked
+        return not (lane in p.full or lane in p.reserved or node.draining)
+
+    def _visit(self, act: UnifiedAction, p: _Pass, now: float) -> list[Effect]:
+        """One queued CPU action in FCFS order: offered to its pool, placed, or ended."""
+        tid = act.spec.trajectory_id
+        node_id = self._node_of(tid, p)
+        if node_id is None and tid in self.gone_envs:
+            return self._report_lost(act, now)
+        if node_id is not None and tid not in self.envs:
+            p.recheck.append(act.spec.action_id)
+        if self._could_not_fit(act, node_id):
+            impossible = self._reject_impossible(act, node_id, now)
+            if impossible:
+                return impossible
+        effects: list[Effect] = []
+        if node_id is None:
+            if p.unplaced_blocked:
+                return effects
+            node_id, effects = self._place_new(act, p)
+            if node_id is None:
+                return effects
+        self._offer(p, node_id, act)
         return effects
 
     def _report_lost(self, act: UnifiedAction, now: float) -> list[Effect]:
@@ -567,7 +669,7 @@ class SchedulerCore:
         trajectory's next action gets a fresh environment."""
         tid = act.spec.trajectory_id
         why = self.gone_envs.pop(tid)
-        del self.queue[act.spec.action_id]
+        self.unqueue(act.spec.action_id)
         reported = EnvChanged(tid, act.spec.job_id, "", "", 0, "closed", f"loss reported: {why}")
         return [
             reported,
@@ -630,6 +732,10 @@ class SchedulerCore:
         if node_id is None:
             self.waits[act.spec.action_id] = self._wait_reason(act, p)
             self._block_unplaced(act, p)
+            # no more placements this pass: of what has no environment, only the actions of
+            # trajectories placed in it can still be offered
+            for tid in p.placed:
+                p.follow.extend(self.pending.by_tid.get(tid, ()))
         return node_id, reclaimed
 
     def _block_unplaced(self, act: UnifiedAction, p: _Pass) -> None:
@@ -660,7 +766,7 @@ class SchedulerCore:
         why = impossible(act, cpu, self.nodes.get(node_id or ""))
         if why is None:
             return []
-        del self.queue[act.spec.action_id]
+        self.unqueue(act.spec.action_id)
         self.waits.pop(act.spec.action_id, None)
         return self._finish(act, verdict(act, ErrorKind.INVALID_REQUEST, why, now=now))
 
@@ -714,7 +820,8 @@ class SchedulerCore:
     def _start(self, node: Node, act: UnifiedAction, units: int, now: float) -> list[Effect]:
         effects: list[Effect] = []
         tid = act.spec.trajectory_id
-        if tid not in self.envs:
+        new_env = tid not in self.envs
+        if new_env:
             env = EnvPlacement(
                 tid, act.spec.job_id, node.node_id, node.incarnation, act.env_memory_mb
             )
@@ -725,24 +832,41 @@ class SchedulerCore:
             )
         cores = pick_cores(node.free, node.numa, units)
         node.free -= set(cores)
-        del self.queue[act.spec.action_id]
+        if new_env:  # its other queued actions now wait in this pool
+            self.unqueue(act.spec.action_id)
+            self.pending.move(tid, node.node_id)
+        return effects + self._book(node, act, cores, now)
+
+    def _book(
+        self,
+        node: Node,
+        act: UnifiedAction,
+        cores: tuple[int, ...],
+        now: float,
+        after: tuple[str, ...] = (),
+    ) -> list[Effect]:
+        """Out of the queue, running on ``cores`` (booked by the caller), dispatched."""
+        self.unqueue(act.spec.action_id)
         self._views.pop(act.spec.action_id, None)
         self.waits.pop(act.spec.action_id, None)
-        self.envs[tid].last_used = now
+        self.envs[act.spec.trajectory_id].last_used = now
         act = msgspec.structs.replace(act, attempt=act.attempt + 1)
         self.running[act.spec.action_id] = Dispatched(
             act, node.node_id, node.incarnation, cores, now
         )
-        effects.append(StartOnNode(node.node_id, act, cores, node.incarnation))
-        return effects
+        return [StartOnNode(node.node_id, act, cores, node.incarnation, after=after)]
 
     def _reclaim_memory(self, act: UnifiedAction, p: _Pass) -> list[Effect]:
         """Make room for a new environment by ending the oldest idle ones (no action queued
         or running) on one node, until that node has the memory; their trajectories' next
         action says ``environment_lost`` once."""
-        busy = {a.spec.trajectory_id for a in self.queue.values()}
-        busy |= {r.action.spec.trajectory_id for r in self.running.values()}
-        idle = [e for e in self.envs.values() if e.trajectory_id not in busy]
+        busy = {r.action.spec.trajectory_id for r in self.running.values()}
+        queued = self.pending.by_tid
+        idle = [
+            e
+            for e in self.envs.values()
+            if e.trajectory_id not in busy and e.trajectory_id not in queued
+        ]
         plan = reclaim_plan(act.env_memory_mb, idle, self._free_mb(p))
         return [
             effect
@@ -798,7 +922,7 @@ def _allocation(run: Dispatched) -> Allocation:
 def _reports(c: Completion, run: Dispatched) -> bool:
     """The completion is of this very dispatch (an agent that left or was replaced, or an
     earlier attempt, never ran it)."""
-    return (
+    return bool(
         run.node_id == c.node_id
         and run.action.attempt == c.attempt
         and run.incarnation == c.incarnation

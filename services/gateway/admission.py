@@ -1,0 +1,107 @@
+"""Admission control: refuse new work with ``busy`` before the mesh's queues explode.
+
+Pure: no I/O, no clock. The backlog is the scheduler's last :class:`~tangram.contract.Pressure`
+(accepted-but-unfinished actions, published every tick) plus what this gateway admitted since
+the report before it, so a burst between two reports is counted at once and the check stays
+an attribute read on the submit path. (Since the report before: an action admitted just before
+a report is usually still on its way to the scheduler, its ``Enqueue`` not yet in the count, so
+the last interval's admissions are kept. At worst they are counted twice for one interval.)
+The bound is seconds of work at the measured drain rate, with a floor (a cold mesh has no rate
+yet) and a ceiling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tangram.contract import Pressure
+from tangram.errors import Busy
+
+# A refused client is told to come back when the backlog has drained to this share of the
+# bound: the mesh still has work queued when the retries arrive (it never idles waiting for
+# them), and the room freed by then takes a good part of the refused burst.
+REFILL_AT = 0.5
+RETRY_MIN_S = 0.05  # never ask for a retry sooner (the backlog is over the bound now)
+RETRY_MAX_S = 5.0  # nor later: the rate may have risen, and clients have a budget
+RETRY_COLD_S = 1.0  # nothing finished lately: no rate to compute a drain time from
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """The backlog a gateway accepts: ``backlog_s`` of work, within [``floor``, ``ceiling``]."""
+
+    backlog_s: float = 5.0
+    floor: int = 1024
+    ceiling: int = 100_000
+    enabled: bool = True
+
+
+def limit(rate_per_s: float, bounds: Bounds) -> int:
+    """The most accepted-but-unfinished actions the mesh should hold at this drain rate."""
+    return min(bounds.ceiling, max(bounds.floor, int(rate_per_s * bounds.backlog_s)))
+
+
+def retry_after(backlog: int, bound: int, rate_per_s: float) -> float:
+    """Seconds until ``backlog`` has drained to ``REFILL_AT`` of ``bound`` (clamped)."""
+    if rate_per_s <= 0:
+        return RETRY_COLD_S
+    drain_s = (backlog - REFILL_AT * bound) / rate_per_s
+    return round(min(RETRY_MAX_S, max(RETRY_MIN_S, drain_s)), 3)
+
+
+def refusal(backlog: int, rate_per_s: float, bounds: Bounds) -> Busy | None:
+    """None to admit one more action, or the ``busy`` error that refuses it."""
+    bound = limit(rate_per_s, bounds)
+    if not bounds.enabled or backlog < bound:
+        return None
+    return _busy(backlog, bound, rate_per_s, bounds)
+
+
+def _busy(backlog: int, bound: int, rate_per_s: float, bounds: Bounds) -> Busy:
+    wait_s = retry_after(backlog, bound, rate_per_s)
+    return Busy(
+        f"the mesh is busy: {backlog} accepted actions are not finished, the limit is {bound} "
+        f"(~{bounds.backlog_s:g}s of work at {rate_per_s:.0f} finished/s); "
+        f"retry after {wait_s:g}s",
+        retry_after_s=wait_s,
+    )
+
+
+class Admission:
+    """The gateway's view of the backlog: the last report plus what it admitted since."""
+
+    def __init__(self, bounds: Bounds) -> None:
+        self.bounds = bounds
+        self.reported = 0  # queued + running in the scheduler's last report
+        self.rate_per_s = 0.0
+        self.since = 0  # admitted by this gateway since the report before that one
+        self.latest = 0  # of which since the last report
+        self.bound = limit(0.0, bounds) if bounds.enabled else 2**62
+        self.refused = 0
+        self.reports = 0
+
+    @property
+    def backlog(self) -> int:
+        return self.reported + self.since
+
+    def observe(self, pressure: Pressure) -> None:
+        """A new report replaces the estimate (it counts what was admitted before the one
+        before it)."""
+        self.reported = pressure.backlog
+        self.rate_per_s = pressure.finished_per_s
+        self.since = self.latest
+        self.latest = 0
+        if self.bounds.enabled:
+            self.bound = limit(self.rate_per_s, self.bounds)
+        self.reports += 1
+
+    def admit(self) -> Busy | None:
+        """Count one more action in, or return why not (the caller raises it). The submit
+        path's cost: an addition and a comparison."""
+        backlog = self.reported + self.since
+        if backlog < self.bound:
+            self.since += 1
+            self.latest += 1
+            return None
+        self.refused += 1
+        return _busy(backlog, self.bound, self.rate_per_s, self.bounds)

@@ -1,0 +1,224 @@
+"""Admission control end to end: the gateway refuses submits beyond its backlog bound with
+``busy`` and a retry-after, still answers what is already durable, shrugs off garbled pressure
+reports; the client backs off and its submit is accepted once the backlog drains; nothing
+accepted is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from nats.aio.msg import Msg
+
+from tangram import subjects
+from tangram.bus import Bus
+from tangram.client import Client, SyncClient
+from tangram.contract import (
+    Accepted,
+    ActionSpec,
+    ExecAction,
+    GetResult,
+    Pending,
+    Pressure,
+    Submit,
+    codec,
+    encode,
+)
+from tangram.errors import Busy
+from tangram.launcher import Mesh
+
+from ..support import eventually, running_mesh
+
+FLOOR = 4  # the gateway's bound here: 4 accepted-but-unfinished actions (no rate can raise it)
+ADMISSION_ENV = {
+    "TANGRAM_GATEWAY_MIN_BACKLOG": str(FLOOR),
+    "TANGRAM_GATEWAY_MAX_BACKLOG_S": "0.001",
+}
+
+
+def exec_spec(uid: str, name: str, command: str) -> ActionSpec:
+    return ActionSpec(
+        action_id=f"{uid}-{name}",
+        job_id=uid,
+        trajectory_id=f"{uid}-{name}",
+        action=ExecAction(command=command),
+    )
+
+
+# ----------------------------------------------------------------------------- client only
+
+
+class BusyGateway:
+    """Answers submits on the gateway subject with ``busy`` ``refusals`` times, then accepts."""
+
+    def __init__(self, bus: Bus, refusals: int, retry_after_s: float) -> None:
+        self.bus, self.refusals, self.retry_after_s = bus, refusals, retry_after_s
+        self.seen: list[float] = []
+
+    async def start(self) -> None:
+        await self.bus.nc.subscribe(subjects.GATEWAY.subject, cb=self.on_msg)
+
+    async def on_msg(self, msg: Msg) -> None:
+        self.seen.append(time.monotonic())
+        req = codec.decode(msg.data, Submit)
+        if len(self.seen) <= self.refusals:
+            busy = Busy("the mesh is busy", retry_after_s=self.retry_after_s)
+            await msg.respond(encode(busy.to_reply()))
+        else:
+            await msg.respond(encode(Accepted(action_id=req.spec.action_id)))
+
+
+@pytest.fixture
+async def raw_bus(nats_url: str) -> AsyncIterator[Bus]:
+    bus = await Bus.connect(nats_url, "fake-gateway")
+    yield bus
+    await bus.close()
+
+
+async def test_the_client_retries_busy_after_the_retry_after(raw_bus: Bus, nats_url: str):
+    gateway = BusyGateway(raw_bus, refusals=2, retry_after_s=0.3)
+    await gateway.start()
+    async with Client.connect(nats_url) as client:
+        ack = await client.submit(exec_spec("c", "a", "true"))
+    assert ack.action_id == "c-a"
+    gaps = [b - a for a, b in zip(gateway.seen, gateway.seen[1:], strict=False)]
+    assert len(gaps) == 2
+    assert all(0.3 <= g < 0.3 * 1.5 + 0.2 for g in gaps)  # as asked, with jitter, never sooner
+
+
+async def test_a_client_out_of_budget_raises_busy(raw_bus: Bus, nats_url: str):
+    gateway = BusyGateway(raw_bus, refusals=10**9, retry_after_s=0.2)
+    await gateway.start()
+    spec = msgspec.structs.replace(exec_spec("c", "b", "true"), queue_timeout_s=1.0)
+    async with Client.connect(nats_url, request_timeout=0.5) as client:
+        with pytest.raises(Busy, match=r"the mesh is busy \(gave up after") as exc:
+            await client.submit(spec)
+    assert exc.value.retry_after_s == 0.2
+    # kept coming back for the action's queue timeout (1 s, longer than the 0.5 s budget)
+    assert 3 <= len(gateway.seen) <= 5
+
+
+async def test_a_refused_submit_waits_as_long_as_it_would_have_queued(raw_bus: Bus, nats_url: str):
+    gateway = BusyGateway(raw_bus, refusals=6, retry_after_s=0.2)
+    await gateway.start()
+    spec = msgspec.structs.replace(exec_spec("c", "q", "true"), queue_timeout_s=30.0)
+    async with Client.connect(nats_url, request_timeout=0.5) as client:
+        ack = await client.submit(spec)  # ~1.2-1.8 s of refusals, past the 0.5 s budget
+    assert ack.action_id == "c-q"
+    assert len(gateway.seen) == 7
+
+
+async def test_the_sync_client_backs_off_likewise(raw_bus: Bus, nats_url: str):
+    gateway = BusyGateway(raw_bus, refusals=1, retry_after_s=0.2)
+    await gateway.start()
+
+    def submit() -> Accepted:
+        with SyncClient(nats_url) as client:
+            return client.submit(exec_spec("c", "s", "true"))
+
+    ack = await asyncio.to_thread(submit)
+    assert ack.action_id == "c-s"
+    assert len(gateway.seen) == 2
+
+
+# ----------------------------------------------------------------------------- a real mesh
+
+
+@pytest.fixture(scope="module")
+async def small_mesh(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]:
+    async with running_mesh(tmp_path_factory.mktemp("admission"), env=ADMISSION_ENV) as m:
+        yield m
+
+
+class Spy:
+    """The scheduler's pressure reports as every gateway sees them, and the busy errors one
+    client met (its bus's ``request`` wrapped)."""
+
+    def __init__(self) -> None:
+        self.reports: list[Pressure] = []
+        self.busy: list[Busy] = []
+
+    async def on_pressure(self, msg: Msg) -> None:
+        self.reports.append(codec.decode(msg.data, Pressure))
+
+    def wrap(self, request: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        async def counted(*args: Any, **kw: Any) -> Any:
+            try:
+                return await request(*args, **kw)
+            except Busy as exc:
+                self.busy.append(exc)
+                raise
+
+        return counted
+
+    def seen_twice(self, backlog: int) -> bool:
+        """Two reports in a row with this backlog: every gateway has had at least one."""
+        last = self.reports[-2:]
+        return len(last) == 2 and all(p.backlog == backlog for p in last)
+
+
+async def test_overload_is_refused_then_admitted_once_drained(
+    small_mesh: Mesh, uid: str, tmp_path: Path
+):
+    gate = tmp_path / "gate"
+    blocked = [
+        exec_spec(uid, f"held{i}", f"while [ ! -e {gate} ]; do sleep 0.02; done; echo {i}")
+        for i in range(FLOOR)
+    ]
+    spy = Spy()
+    raw = await Bus.connect(small_mesh.nats_url, "admission-test")
+    try:
+        await raw.nc.subscribe(subjects.SCHED_PRESSURE.subject, cb=spy.on_pressure)
+        async with Client.connect(small_mesh.nats_url) as client:
+            for spec in blocked:
+                assert not (await client.submit(spec)).duplicate
+            await eventually(lambda: spy.seen_twice(FLOOR), what="the backlog reported")
+
+            # beyond the bound: busy, naming the backlog and the limit, with a retry-after
+            extra = exec_spec(uid, "extra", "echo late")
+            with pytest.raises(Busy) as refused:
+                await raw.request(subjects.GATEWAY, Submit(spec=extra))
+            assert f"{FLOOR} accepted actions are not finished" in refused.value.message
+            assert f"the limit is {FLOOR}" in refused.value.message
+            assert refused.value.retry_after_s is not None
+            assert refused.value.retry_after_s > 0
+
+            # what is already durable is still answered, and other requests are not refused
+            again = await raw.request(subjects.GATEWAY, Submit(spec=blocked[0]))
+            assert isinstance(again, Accepted)
+            assert again.duplicate
+            assert (await client.submit(blocked[1])).duplicate
+            pending = await raw.request(subjects.GATEWAY, GetResult(action_id=blocked[2].action_id))
+            assert isinstance(pending, Pending)
+
+            # garbled and out-of-bounds reports are dropped; the gateway keeps its view
+            await raw.nc.publish(subjects.SCHED_PRESSURE.subject, b"\xc1garbage")
+            hostile = {"type": "pressure", "queued": -5, "finished_per_s": float("nan")}
+            await raw.nc.publish(subjects.SCHED_PRESSURE.subject, msgspec.msgpack.encode(hostile))
+            with pytest.raises(Busy):
+                await raw.request(subjects.GATEWAY, Submit(spec=extra))
+
+            # the client backs off; once the backlog drains its submit is accepted
+            client.bus.request = spy.wrap(client.bus.request)  # type: ignore[method-assign]
+            late = asyncio.create_task(client.run(extra, wait_s=60))
+            await eventually(lambda: spy.busy, what="the client's first try refused")
+            assert not late.done()
+            gate.touch()
+            result = await asyncio.wait_for(late, 60)
+            assert result.status == "succeeded"
+            assert result.stdout.strip() == "late"
+            assert spy.busy
+            assert all(b.retry_after_s for b in spy.busy)
+
+            # nothing accepted is lost
+            for i, spec in enumerate(blocked):
+                res = await client.result(spec.action_id, timeout=30)
+                assert res.status == "succeeded"
+                assert res.stdout.strip() == str(i)
+    finally:
+        await raw.close()

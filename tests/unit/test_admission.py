@@ -1,0 +1,185 @@
+"""Admission control, the pure parts: the gateway's decision (backlog, drain rate -> admit or
+busy with a retry-after), the scheduler's measure of its drain rate, the pressure message's
+bounds, and the client's pause on ``busy``."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+
+from services.gateway.admission import (
+    RETRY_COLD_S,
+    RETRY_MAX_S,
+    RETRY_MIN_S,
+    Admission,
+    Bounds,
+    limit,
+    refusal,
+    retry_after,
+)
+from services.gateway.config import load as load_gateway_config
+from services.scheduler.core.quota import QuotaCore
+from services.scheduler.core.scheduler import SchedulerCore
+from services.scheduler.pressure import DrainRate, FinishCounter, Gauge
+from tangram.bus import decode_request
+from tangram.client import BUSY_JITTER, BUSY_MAX_S, _pause
+from tangram.contract import ErrorReply, Pressure, codec, encode
+from tangram.errors import Busy, RemoteError, Unavailable
+
+BOUNDS = Bounds(backlog_s=5.0, floor=100, ceiling=10_000)
+
+
+# ----------------------------------------------------------------------------- the decision
+
+
+def test_the_limit_is_seconds_of_work_within_floor_and_ceiling() -> None:
+    assert limit(0.0, BOUNDS) == 100  # cold mesh: the floor takes a burst
+    assert limit(10.0, BOUNDS) == 100  # 50 actions of work: still the floor
+    assert limit(220.0, BOUNDS) == 1100  # 5 s at the rate measured in issue 13
+    assert limit(1e6, BOUNDS) == 10_000  # the ceiling, whatever the rate
+
+
+def test_below_the_limit_is_admitted() -> None:
+    assert refusal(0, 220.0, BOUNDS) is None
+    assert refusal(1099, 220.0, BOUNDS) is None
+
+
+def test_at_the_limit_busy_names_backlog_limit_and_when_to_retry() -> None:
+    busy = refusal(2200, 220.0, BOUNDS)
+    assert isinstance(busy, Busy)
+    assert busy.code == "busy"
+    assert busy.retryable
+    assert "2200 accepted actions are not finished" in busy.message
+    assert "the limit is 1100" in busy.message
+    # back when the backlog has drained to half the limit: (2200 - 550) / 220 = 7.5 s, capped
+    assert busy.retry_after_s == RETRY_MAX_S
+    reply = busy.to_reply()
+    assert reply.code == "busy"
+    assert reply.retry_after_s == RETRY_MAX_S
+
+
+def test_retry_after_is_the_drain_time_to_half_the_limit() -> None:
+    assert retry_after(1100, 1100, 220.0) == pytest.approx(2.5)
+    assert retry_after(1650, 1100, 220.0) == pytest.approx(5.0)
+    assert retry_after(100, 100, 1e5) == RETRY_MIN_S  # tiny drain time: the floor
+    assert retry_after(100, 100, 0.0) == RETRY_COLD_S  # no rate to divide by
+
+
+def test_a_disabled_gateway_admits_anything() -> None:
+    off = Bounds(floor=1, ceiling=1, enabled=False)
+    assert refusal(10**9, 0.0, off) is None
+    admission = Admission(off)
+    assert all(admission.admit() is None for _ in range(1000))
+
+
+def test_admission_counts_what_it_admitted_since_the_report_before_the_last() -> None:
+    admission = Admission(Bounds(backlog_s=1.0, floor=3, ceiling=1000))
+    assert [admission.admit() is None for _ in range(4)] == [True, True, True, False]
+    assert admission.refused == 1
+    # a report with a rate: room again. The 3 admitted just before it may not be in it yet
+    # (their Enqueue on its way to the scheduler), so they still count for one interval.
+    admission.observe(Pressure(queued=1, running=1, finished_per_s=10.0, window_s=5.0))
+    assert admission.bound == 10
+    assert sum(admission.admit() is None for _ in range(20)) == 5
+    assert admission.backlog == 10
+    # the next report has them: only what was admitted since the last report still counts
+    admission.observe(Pressure(queued=6, running=2, finished_per_s=10.0, window_s=5.0))
+    assert admission.backlog == 8 + 5
+    admission.observe(Pressure(queued=6, running=2, finished_per_s=10.0, window_s=5.0))
+    assert admission.backlog == 8
+    assert sum(admission.admit() is None for _ in range(20)) == 2
+
+
+def test_the_config_gives_the_bounds_and_reads_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, cfg = load_gateway_config()
+    assert cfg.bounds() == Bounds(backlog_s=5.0, floor=512, ceiling=100_000, enabled=True)
+    monkeypatch.setenv("TANGRAM_GATEWAY_MIN_BACKLOG", "4")
+    monkeypatch.setenv("TANGRAM_GATEWAY_ADMISSION", "false")
+    _, cfg = load_gateway_config()
+    assert cfg.bounds().floor == 4
+    assert not cfg.bounds().enabled
+
+
+# ----------------------------------------------------------------------------- the message
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"type": "pressure", "queued": -1},
+        {"type": "pressure", "running": 10**12},
+        {"type": "pressure", "finished_per_s": math.nan},
+        {"type": "pressure", "finished_per_s": math.inf},
+        {"type": "pressure", "queued": "many"},
+        {"type": "something-else"},
+    ],
+)
+def test_a_hostile_pressure_report_is_refused_by_the_codec(raw: dict[str, object]) -> None:
+    assert isinstance(decode_request(msgspec.msgpack.encode(raw), Pressure), ErrorReply)
+
+
+def test_garbage_is_refused_and_a_valid_report_round_trips() -> None:
+    assert isinstance(decode_request(b"\xc1\xff garbage", Pressure), ErrorReply)
+    p = Pressure(epoch=3, queued=5, running=2, finished_per_s=1.5, window_s=5.0)
+    assert codec.decode(encode(p), Pressure) == p
+    assert p.backlog == 7
+
+
+# ----------------------------------------------------------------------------- the scheduler
+
+
+def test_finish_counter_counts_ids_added_since_the_last_look() -> None:
+    recent: dict[str, None] = dict.fromkeys(["a", "b"])
+    counter = FinishCounter()
+    assert counter.added(recent) == 0  # the first look only sets the mark
+    recent.update(dict.fromkeys(["c", "d", "e"]))
+    del recent["a"]  # evicted from the front, as the cores do
+    assert counter.added(recent) == 3
+    assert counter.added(recent) == 0
+    recent["c"] = None  # re-marking a known id does not move it
+    assert counter.added(recent) == 0
+
+
+def test_drain_rate_is_finishes_per_second_over_the_window() -> None:
+    rate = DrainRate(window_s=5.0)
+    assert rate.per_s() == 0.0
+    for i in range(21):
+        rate.add(0 if i == 0 else 50, now=100.0 + i * 0.25)  # 200/s for 5 s
+    assert rate.per_s() == pytest.approx(200.0)
+    for i in range(1, 41):
+        rate.add(0, now=105.0 + i * 0.25)  # then nothing for 10 s
+    assert rate.per_s() == 0.0
+    assert rate.span_s() == pytest.approx(5.0, abs=0.25)
+
+
+def test_gauge_measures_backlog_of_both_cores() -> None:
+    core, quotas = SchedulerCore(), QuotaCore()
+    gauge = Gauge(bus=None, epoch=7)  # type: ignore[arg-type]  # measure() never sends
+    core.recent.update(dict.fromkeys(["old"]))
+    assert gauge.measure(core, quotas, now=0.0) == Pressure(epoch=7)
+    core.recent.update(dict.fromkeys(f"x{i}" for i in range(10)))
+    quotas.recent.update(dict.fromkeys(["q1", "q2"]))
+    p = gauge.measure(core, quotas, now=1.0)
+    assert p.finished_per_s == pytest.approx(12.0)
+    assert p.backlog == 0
+    assert p.window_s == 1.0
+
+
+# ----------------------------------------------------------------------------- the client
+
+
+def test_the_client_waits_what_busy_asks_with_jitter_never_sooner() -> None:
+    pauses = [_pause(Busy("b", retry_after_s=2.0), 0.05) for _ in range(200)]
+    assert all(2.0 <= p <= 2.0 * (1 + BUSY_JITTER) for p in pauses)
+    assert len({round(p, 3) for p in pauses}) > 50  # spread, not one instant
+
+
+def test_the_client_caps_and_sanitises_what_a_server_asks() -> None:
+    assert _pause(Busy("b", retry_after_s=1e9), 0.05) == BUSY_MAX_S
+    assert _pause(Busy("b", retry_after_s=math.nan), 0.05) == 0.05
+    assert _pause(RemoteError("x", "m", retryable=True, retry_after_s=-1.0), 0.2) == 0.2
+    assert _pause(Unavailable("gone"), 0.4) == 0.4

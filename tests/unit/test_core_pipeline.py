@@ -1,0 +1,110 @@
+"""Pipelining's plan: FCFS, fixed-size actions only, cores that free first, one grant a core."""
+
+from __future__ import annotations
+
+from services.scheduler.core.effects import Effect, StartOnNode
+from services.scheduler.core.pipeline import Holder, fixed_cores, plan
+from services.scheduler.core.scheduler import CoreConfig, SchedulerCore
+from services.scheduler.policies.elastic import ElasticPolicy
+from tangram.contract import ActionSpec, Demand, ExecAction, UnifiedAction
+
+from . import core_kit as kit
+
+
+def action(aid: str, *choices: int) -> UnifiedAction:
+    spec = ActionSpec(action_id=aid, job_id="j", trajectory_id="t", action=ExecAction(command="x"))
+    demands = (Demand(resource="cpu", choices=choices),) if choices else ()
+    return UnifiedAction(
+        spec=spec, demands=demands, key_resource="cpu", env_memory_mb=64, submitted_at=0.0
+    )
+
+
+def test_only_an_action_with_one_core_count_is_pipelined():
+    assert fixed_cores(action("a", 2)) == 2
+    assert fixed_cores(action("b", 1, 2, 4)) is None
+    assert fixed_cores(action("c")) is None
+
+
+def test_grants_take_the_cores_that_free_first_and_name_their_holders():
+    holders = [Holder(0, "x", 5.0), Holder(1, "y", 1.0), Holder(2, "z", 3.0)]
+    grants = plan([action("a", 1), action("b", 2)], holders)
+    assert [(g.action.spec.action_id, g.cores, g.after) for g in grants] == [
+        ("a", (1,), ("y",)),
+        ("b", (0, 2), ("z", "x")),
+    ]
+
+
+def test_the_first_action_that_cannot_be_pipelined_stops_the_pool():
+    holders = [Holder(0, "x", 0.0), Holder(1, "y", 0.0)]
+    assert plan([action("a", 3), action("b", 1)], holders) == []  # b never jumps a
+    assert plan([action("a", 1, 2), action("b", 1)], holders) == []
+    assert len(plan([action("a", 1), action("b", 1), action("c", 1)], holders)) == 2
+
+
+# ----------------------------------------------------------------------------- in the core
+
+
+def starts(effects: list[Effect]) -> list[StartOnNode]:
+    return [e for e in effects if isinstance(e, StartOnNode)]
+
+
+def pipelining_core(cores: int = 2) -> SchedulerCore:
+    core = SchedulerCore(ElasticPolicy(), CoreConfig(pipeline=True))
+    core.node_report(kit.report(cores=cores), 0.0)
+    return core
+
+
+def test_a_full_node_gets_its_next_actions_on_busy_cores_one_per_core():
+    core = pipelining_core()
+    for i in range(5):
+        core.enqueue(kit.action(f"a{i}", "t"), 0.0)
+    first = starts(core.schedule(0.0))
+    assert [(s.action.spec.action_id, s.cores, s.after) for s in first] == [
+        ("a0", (0,), ()),
+        ("a1", (1,), ()),
+        ("a2", (0,), ("a0",)),  # the node is full: next on a busy core, behind its holder
+        ("a3", (1,), ("a1",)),
+    ]
+    assert starts(core.schedule(0.2)) == []  # one waiting grant per core
+    assert core.nodes["n0"].free == set()
+
+
+def test_a_core_granted_next_passes_to_its_action_never_to_the_free_pool():
+    core = pipelining_core()
+    for i in range(4):
+        core.enqueue(kit.action(f"a{i}", "t"), 0.0)
+    runs = {s.action.spec.action_id: s for s in starts(core.schedule(0.0))}
+    assert set(runs) == {"a0", "a1", "a2", "a3"}
+    core.complete(kit.done(runs["a0"]), 1.0)
+    node = core.nodes["n0"]
+    assert node.free == set()  # core 0 went to a2, waiting behind a0
+    assert node.next == {1: "a3"}
+    core.enqueue(kit.action("a4", "t"), 1.0)
+    (a4,) = starts(core.schedule(1.1))
+    assert (a4.cores, a4.after) == ((0,), ("a2",))  # now a2 holds core 0
+    for aid in ("a1", "a3", "a2", "a4"):
+        core.complete(kit.done(runs.get(aid) or a4), 2.0)
+    assert node.free == {0, 1}
+    assert node.next == {}
+
+
+def test_a_waiting_action_that_ends_leaves_its_core_to_the_holder():
+    core = pipelining_core(cores=1)
+    for i in range(2):
+        core.enqueue(kit.action(f"a{i}", "t"), 0.0)
+    a0, a1 = starts(core.schedule(0.0))
+    assert a1.after == ("a0",)
+    core.cancel("a1", 0.2)
+    core.complete(kit.done(a1), 0.3)  # the node ended it before it ran
+    node = core.nodes["n0"]
+    assert (node.free, node.next) == (set(), {})  # a0 still holds core 0
+    core.complete(kit.done(a0), 0.4)
+    assert node.free == {0}
+
+
+def test_an_elastic_action_is_never_pipelined():
+    core = pipelining_core()
+    core.enqueue(kit.action("a0", "t", cpus=2), 0.0)
+    core.enqueue(kit.action("a1", "t", cpus=[1, 2]), 0.0)
+    assert [s.action.spec.action_id for s in starts(core.schedule(0.0))] == ["a0"]
+    assert starts(core.schedule(0.1)) == []  # a1 waits for the policy to size it
