@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
-from tangram.contract import Completions, NodeMessage
+from tangram.contract import Commands, Completions, NodeCommand, NodeMessage
 from tangram.launcher import Mesh, MeshOptions
 
 T = TypeVar("T")
@@ -82,3 +82,9 @@ async def running_mesh(
 def unbatched(msg: NodeMessage) -> list[NodeMessage]:
     """A node message as the messages it carries (completions may travel together)."""
     return list(msg.items) if isinstance(msg, Completions) else [msg]
+
+
+def commands_in(cmd: NodeCommand) -> list[NodeCommand]:
+    """A node command as the commands it carries (a pass's commands for a node travel
+    together)."""
+    return list(cmd.items) if isinstance(cmd, Commands) else [cmd]

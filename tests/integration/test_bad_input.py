@@ -118,6 +118,16 @@ async def test_scheduler_and_node_subjects_reject_garbage(mesh: Mesh, client: Cl
     )
     reply = await nc.request(subjects.SCHED_NODES.subject, bad_goodbye, timeout=10)
     assert "started" in codec.decode(reply.data, NodeMessage | ErrorReply).message
+    # batches: one bad item names itself and nothing of the batch is taken
+    bad_batch = pack({"type": "completions", "items": [{"type": "completion", "node_id": 3}]})
+    reply = await nc.request(subjects.SCHED_NODES.subject, bad_batch, timeout=10)
+    assert "items" in codec.decode(reply.data, NodeMessage | ErrorReply).message
+    nested = pack({"type": "commands", "epoch": 1, "items": [{"type": "commands", "items": []}]})
+    reply = await nc.request(subjects.node("node0").subject, nested, timeout=10)
+    assert "items" in codec.decode(reply.data, ErrorReply).message
+    bad_enqueue = pack({"type": "enqueue_many", "actions": [{"spec": 1}]})
+    reply = await nc.request(subjects.SCHED_ACTIONS.subject, bad_enqueue, timeout=10)
+    assert "actions" in codec.decode(reply.data, ErrorReply).message
     ok = await client.exec("echo alive", trajectory_id=uid, job_id=uid, wait_s=30)
     assert ok.ok
 

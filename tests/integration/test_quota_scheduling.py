@@ -46,7 +46,7 @@ from tangram.contract import (
 from tangram.errors import InvalidRequest, TangramError, from_reply
 from tangram.launcher import Mesh
 
-from ..support import eventually, running_mesh
+from ..support import commands_in, eventually, running_mesh
 
 pytestmark = pytest.mark.slow
 
@@ -92,14 +92,15 @@ class FakeQuotaAgent:
             await asyncio.sleep(0.3)
 
     async def on_command(self, cmd: NodeCommand, msg: Msg) -> Ack | None:
-        if isinstance(cmd, Dispatch) and cmd.incarnation == self.incarnation:
-            self.seen.append(cmd)
-            aid = cmd.action.spec.action_id
-            self.running[aid] = cmd.action.attempt
-            self.peak = max(self.peak, len(self.running))
-            task = asyncio.create_task(self._call(cmd))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+        for one in commands_in(cmd):
+            if isinstance(one, Dispatch) and one.incarnation == self.incarnation:
+                self.seen.append(one)
+                aid = one.action.spec.action_id
+                self.running[aid] = one.action.attempt
+                self.peak = max(self.peak, len(self.running))
+                task = asyncio.create_task(self._call(one))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
         return Ack()
 
     async def _call(self, cmd: Dispatch) -> None:

@@ -19,7 +19,7 @@ from tangram.client import Client
 from tangram.contract import Dispatch, NodeCommand, codec
 from tangram.launcher import Mesh
 
-from ..support import eventually
+from ..support import commands_in, eventually
 
 pytestmark = pytest.mark.slow
 
@@ -62,8 +62,9 @@ async def dispatches(mesh: Mesh) -> AsyncIterator[dict[str, asyncio.Event]]:
             cmd = codec.decode(msg.data, NodeCommand)
         except (msgspec.ValidationError, msgspec.DecodeError):
             return
-        if isinstance(cmd, Dispatch):
-            seen.setdefault(cmd.action.spec.action_id, asyncio.Event()).set()
+        for one in commands_in(cmd):
+            if isinstance(one, Dispatch):
+                seen.setdefault(one.action.spec.action_id, asyncio.Event()).set()
 
     await bus.nc.subscribe(subjects.node("node0").subject, cb=on_msg)
     await bus.nc.flush()

@@ -48,7 +48,7 @@ from tangram.contract import (
 from tangram.embedded import EmbeddedNats, EmbeddedPostgres
 from tangram.errors import InvalidRequest, TangramError
 
-from ..support import eventually
+from ..support import commands_in, eventually
 
 pytestmark = pytest.mark.slow
 
@@ -81,6 +81,11 @@ class FakeGpuAgent:
         await self.bus.request(subjects.SCHED_NODES, self.report())
 
     async def on_command(self, cmd: NodeCommand, msg: Msg) -> Ack:
+        for one in commands_in(cmd):
+            self.on_one(one)
+        return Ack()
+
+    def on_one(self, cmd: NodeCommand) -> None:
         match cmd:
             case Prepare(services=specs):
                 for spec in specs:
@@ -96,7 +101,6 @@ class FakeGpuAgent:
                 asyncio.get_running_loop().create_task(self.complete(cmd))
             case Reconcile():
                 asyncio.get_running_loop().create_task(self.send_report())
-        return Ack()
 
     async def complete(self, d: Dispatch) -> None:
         assert isinstance(d.action.spec.action, InferAction)

@@ -13,6 +13,7 @@ from tangram import subjects
 from tangram.agent import Agent, AgentConfig
 from tangram.contract import (
     Ack,
+    Commands,
     Completion,
     Completions,
     Dispatch,
@@ -67,9 +68,11 @@ class FakeScheduler:
 
     def __init__(self) -> None:
         self.heard: list[NodeMessage] = []
+        self.raw: list[NodeMessage] = []  # as sent: completions may travel together
         self.acking = asyncio.Event()
 
     async def on_node(self, msg: NodeMessage, _raw: Any) -> Ack:
+        self.raw.append(msg)
         self.heard += unbatched(msg)
         if isinstance(msg, Completion | Completions) and not self.acking.is_set():
             raise Unavailable("not now")
@@ -125,3 +128,29 @@ async def test_a_completion_is_resent_until_acked_and_goodbye_is_last(
     assert executor.closed
     (b,) = [c for c in scheduler.of(Completion) if c.action_id == "b"]
     assert b.outcome.failure is ErrorKind.NODE_DIED
+
+
+async def test_commands_of_one_pass_are_taken_one_by_one_and_completions_travel_together(
+    mesh: tuple[Agent, FakeExecutor, FakeScheduler, Any],
+):
+    agent, executor, scheduler, sbus = mesh
+    scheduler.acking.set()
+    await agent.start()
+    await eventually(lambda: scheduler.of(NodeReport), what="registration")
+    batch = Commands(
+        items=(
+            dispatch("a", cores=(0,), incarnation="inc"),
+            dispatch("x", cores=(0,), incarnation="inc"),  # overlaps a: refused, alone
+            dispatch("b", cores=(1,), incarnation="inc"),
+        ),
+        epoch=1,
+    )
+    await sbus.publish(subjects.node("n0"), batch)
+    await eventually(lambda: {"a", "b"} <= set(executor.release), what="a and b to start")
+    assert "x" not in executor.release
+    assert agent.core.refused_overlaps == 1
+    for aid in ("a", "b"):  # both end in one turn of the event loop
+        executor.release[aid].set()
+    await eventually(lambda: not agent.core.unacked and not agent.core.active, what="the acks")
+    together = [m for m in scheduler.raw if isinstance(m, Completions)]
+    assert [[c.action_id for c in m.items] for m in together] == [["a", "b"]]
