@@ -30,11 +30,15 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-async def connect(dsn: str, *, min_size: int = 1, max_size: int = 8) -> asyncpg.Pool:
-    """Open a pool; raises :class:`Unavailable` when Postgres does not answer."""
+async def connect(
+    dsn: str, *, min_size: int = 1, max_size: int = 8, name: str = ""
+) -> asyncpg.Pool:
+    """Open a pool (its sessions named ``name`` in ``pg_stat_activity``); raises
+    :class:`Unavailable` when Postgres does not answer."""
+    settings = {"application_name": name} if name else None
     try:
         pool = await asyncpg.create_pool(
-            dsn, min_size=min_size, max_size=max_size, command_timeout=30
+            dsn, min_size=min_size, max_size=max_size, command_timeout=30, server_settings=settings
         )
     except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
         raise Unavailable(f"cannot connect to Postgres: {exc}") from exc
@@ -43,10 +47,10 @@ async def connect(dsn: str, *, min_size: int = 1, max_size: int = 8) -> asyncpg.
 
 
 async def open_pool(
-    stack: contextlib.AsyncExitStack, dsn: str, *, max_size: int = 4
+    stack: contextlib.AsyncExitStack, dsn: str, *, max_size: int = 4, name: str = ""
 ) -> asyncpg.Pool:
     """A migrated pool that ``stack`` closes when it unwinds."""
-    pool = await connect(dsn, max_size=max_size)
+    pool = await connect(dsn, max_size=max_size, name=name)
     stack.push_async_callback(pool.close)
     await migrate(pool)
     return pool

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -99,8 +100,10 @@ class Scheduler(Service):
         bus: BaseBus,
         pool: asyncpg.Pool,
         clock: Callable[[], float] = time.time,
+        session: str = "",
     ) -> None:
         super().__init__()
+        self.session = session  # this scheduler's Postgres session name (see store.fence)
         self.cfg = cfg
         self.bus = bus
         self.pool = pool
@@ -124,6 +127,10 @@ class Scheduler(Service):
     # ------------------------------------------------------------------ lifecycle
 
     async def on_start(self) -> None:
+        if self.session:
+            ended = await store.fence(self.pool, self.session)
+            if ended:
+                log.warning("ended %d Postgres sessions of a previous scheduler", ended)
         self.epoch = await store.next_epoch(self.pool)
         self.core.restore_services(await gpu_shell.load_services(self.pool))
         await self._rebuild()
@@ -471,6 +478,7 @@ async def build(
     """The scheduler as configured by the environment and ``overrides`` (see runtime.Build),
     given its pool and bus; ``stack`` closes the bus first, then the pool."""
     mesh, cfg = config.load(overrides)
-    pool = await db.open_pool(stack, mesh.postgres_dsn)
+    session = f"{store.SESSIONS} {uuid.uuid4().hex[:12]}"
+    pool = await db.open_pool(stack, mesh.postgres_dsn, name=session)
     bus = await open_bus(stack, mesh.nats_url, "scheduler")
-    return mesh, Scheduler(cfg, bus, pool)
+    return mesh, Scheduler(cfg, bus, pool, session=session)

@@ -128,6 +128,22 @@ async def write(conn: asyncpg.Connection, records: Sequence[Record], now: float)
     return [None] * len(records)
 
 
+SESSIONS = "tangram-scheduler"  # the prefix of every scheduler's Postgres session names
+
+_FENCE = """
+SELECT count(pg_terminate_backend(pid, 5000)) FROM pg_stat_activity
+WHERE datname = current_database() AND application_name LIKE $1 || ' %'
+  AND application_name <> $2
+"""
+
+
+async def fence(pool: asyncpg.Pool, own_name: str) -> int:
+    """End the Postgres sessions of every other scheduler (a deposed one, killed or hung): a
+    write of its still in flight is cut off (rolled back) before this scheduler reads its
+    books, so no late commit of a dead scheduler can overwrite what the new one decides."""
+    return int(await pool.fetchval(_FENCE, SESSIONS, own_name))
+
+
 async def next_epoch(pool: asyncpg.Pool) -> int:
     return int(await pool.fetchval("SELECT nextval('scheduler_epoch')"))
 

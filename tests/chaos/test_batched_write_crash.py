@@ -268,3 +268,27 @@ async def test_kill9_during_a_batched_started_write(
         box.open()
         await mesh.start_service("scheduler")
         await exactly_once(mesh, client, todo, box)
+
+
+async def test_a_new_scheduler_cuts_off_a_dead_ones_write_before_it_reads(
+    own_mesh: Mesh, uid: str, tmp_path: Path
+) -> None:
+    """A dead scheduler's write still waiting in Postgres when the next one starts is ended
+    by it (its session fenced off), so it can never commit later over the new one's books:
+    the waiting start never lands, and each action runs once."""
+    mesh, box = own_mesh, Box(tmp_path / "box")
+    capacity = (await mesh.wait_ready()).free_cores
+    await mesh.kill("scheduler")
+    async with Client.connect(mesh.nats_url) as client:
+        todo = specs(uid, box, capacity)
+        await asyncio.gather(*(client.submit(s) for s in todo))
+        locks = await RowLocks.take(mesh.postgres_dsn, [s.action_id for s in todo])
+        await mesh.start_service("scheduler")
+        pid, batch = await waiting_write(mesh, locks, STARTED_WRITE)
+        await mesh.kill("scheduler")  # its write still waits on the locks
+        await mesh.start_service("scheduler")  # fences before it reads
+        await backend_gone(mesh.postgres_dsn, pid)
+        await locks.release()
+        box.open()
+        await exactly_once(mesh, client, todo, box)
+        assert set((await statuses(mesh.postgres_dsn, batch)).values()) == {"succeeded"}
