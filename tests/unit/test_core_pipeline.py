@@ -48,8 +48,8 @@ def starts(effects: list[Effect]) -> list[StartOnNode]:
     return [e for e in effects if isinstance(e, StartOnNode)]
 
 
-def pipelining_core(cores: int = 2) -> SchedulerCore:
-    core = SchedulerCore(ElasticPolicy(), CoreConfig(pipeline=True))
+def pipelining_core(cores: int = 2, depth: int = 1) -> SchedulerCore:
+    core = SchedulerCore(ElasticPolicy(), CoreConfig(pipeline=True, pipeline_depth=depth))
     core.node_report(kit.report(cores=cores), 0.0)
     return core
 
@@ -78,7 +78,7 @@ def test_a_core_granted_next_passes_to_its_action_never_to_the_free_pool():
     core.complete(kit.done(runs["a0"]), 1.0)
     node = core.nodes["n0"]
     assert node.free == set()  # core 0 went to a2, waiting behind a0
-    assert node.next == {1: "a3"}
+    assert node.next == {1: ["a3"]}
     core.enqueue(kit.action("a4", "t"), 1.0)
     (a4,) = starts(core.schedule(1.1))
     assert (a4.cores, a4.after) == ((0,), ("a2",))  # now a2 holds core 0
@@ -108,3 +108,24 @@ def test_an_elastic_action_is_never_pipelined():
     core.enqueue(kit.action("a1", "t", cpus=[1, 2]), 0.0)
     assert [s.action.spec.action_id for s in starts(core.schedule(0.0))] == ["a0"]
     assert starts(core.schedule(0.1)) == []  # a1 waits for the policy to size it
+
+
+def test_deeper_pipelines_chain_grants_behind_the_last_one_on_each_core():
+    core = pipelining_core(cores=1, depth=3)
+    for i in range(5):
+        core.enqueue(kit.action(f"a{i}", "t"), 0.0)
+    runs = starts(core.schedule(0.0))
+    assert [(s.action.spec.action_id, s.after) for s in runs] == [
+        ("a0", ()),
+        ("a1", ("a0",)),
+        ("a2", ("a1",)),
+        ("a3", ("a2",)),
+    ]  # a4 waits: three grants wait on core 0 already
+    node = core.nodes["n0"]
+    assert node.next == {0: ["a1", "a2", "a3"]}
+    core.cancel("a2", 0.1)
+    core.complete(kit.done(runs[2]), 0.1)  # ended before it ran: out of the chain
+    core.complete(kit.done(runs[0]), 0.2)  # a1 has the core now
+    assert (node.free, node.next) == (set(), {0: ["a3"]})
+    (a4,) = starts(core.schedule(0.3))
+    assert a4.after == ("a3",)

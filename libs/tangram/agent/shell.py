@@ -48,11 +48,14 @@ from tangram.contract import (
     Outcome,
     PreparedService,
     ServiceSpec,
+    encode,
 )
 from tangram.errors import InvalidRequest, TangramError
 from tangram.runtime import Service
 
 log = logging.getLogger(__name__)
+
+BATCH_ITEM_OVERHEAD = 8  # a completion's share of its batch message's framing, in bytes
 
 Clock = Callable[[], float]
 
@@ -122,7 +125,8 @@ class Agent(Service):
         self._runs: set[asyncio.Task[None]] = set()
         self._sends: set[asyncio.Task[None]] = set()
         self._prepares: set[asyncio.Task[None]] = set()
-        self._outgoing: list[Completion] = []  # completions of this turn of the loop
+        self._outgoing: list[Completion] = []  # completions not sent yet, oldest first
+        self._delivery: asyncio.Task[None] | None = None  # the delivery loop, when it runs
 
     @property
     def node_id(self) -> str:
@@ -232,15 +236,34 @@ class Agent(Service):
         return Outcome(failure=ErrorKind.INTERNAL, detail=detail, started_at=now, finished_at=now)
 
     def _coalesce(self, c: Completion) -> None:
-        """Completions due in one turn of the event loop travel in one message."""
-        if not self._outgoing:
+        """Queue a completion for the delivery loop (started on the next turn of the event
+        loop, so that completions of one turn go together)."""
+        if not self._outgoing and (self._delivery is None or self._delivery.done()):
             asyncio.get_running_loop().call_soon(self._send_outgoing)
         self._outgoing.append(c)
 
     def _send_outgoing(self) -> None:
-        batch, self._outgoing = self._outgoing, []
-        if batch:
-            self._own(self._deliver(batch), self._sends)
+        """Start the delivery loop unless it runs: one batch in flight at a time, so while
+        the scheduler commits one batch's records the next batch gathers (group commit
+        across the hop; a lone completion on a quiet node leaves at once)."""
+        if self._outgoing and (self._delivery is None or self._delivery.done()):
+            self._delivery = self._own(self._deliver_all(), self._sends)
+
+    async def _deliver_all(self) -> None:
+        while self._outgoing:
+            await self._deliver(self._next_batch())
+
+    def _next_batch(self) -> list[Completion]:
+        """The oldest outgoing completions that fit one message together."""
+        batch: list[Completion] = []
+        size = 0
+        while self._outgoing:
+            n = len(encode(self._outgoing[0])) + BATCH_ITEM_OVERHEAD
+            if batch and size + n > self.cfg.completion_budget:
+                break
+            batch.append(self._outgoing.pop(0))
+            size += n
+        return batch
 
     async def _deliver(self, batch: list[Completion]) -> None:
         batch = [c for c in batch if self.core.may_send(c)]
@@ -270,11 +293,14 @@ class Agent(Service):
         except TangramError as exc:
             log.info("leaving notice not acknowledged: %s", exc)
 
-    def _own(self, coro: Coroutine[Any, Any, None], into: set[asyncio.Task[None]]) -> None:
+    def _own(
+        self, coro: Coroutine[Any, Any, None], into: set[asyncio.Task[None]]
+    ) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         into.add(task)
         task.add_done_callback(into.discard)
         task.add_done_callback(_log_failure)
+        return task
 
     # ------------------------------------------------------------------ loops
 

@@ -19,8 +19,8 @@ class Node:
     draining: bool = False  # shutting down: what runs finishes, nothing new starts
     kind: str = "cpu"  # "gpu": ``free`` holds GPU indices and ``gpu`` its GPU facts
     gpu: GpuFacts | None = None
-    # pipelining: a busy core -> the action granted it next, waiting on the node (see pipeline)
-    next: dict[int, str] = field(default_factory=dict)
+    # pipelining: a busy core -> the actions granted it next, in order, waiting on the node
+    next: dict[int, list[str]] = field(default_factory=dict)
 
     @property
     def capacity(self) -> int:

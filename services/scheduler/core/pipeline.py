@@ -6,8 +6,10 @@ short actions that round trip, not the work, bounds the node, and every message 
 carries one action. With it, once a pass has started what fits, the head of a full node's
 pool is granted cores whose current action is still running: the agent holds the dispatch
 and starts it the moment those actions end (``Dispatch.after``), while the scheduler already
-decides the next. One waiting grant per core at most, so a long action delays at most one
-other there.
+decides the next. At most ``pipeline_depth`` waiting grants per core (CoreConfig), so a long
+action delays at most that many others there. The price: a node killed outright ends its
+waiting grants ``node_died`` with the rest (whether one had started is unknown), where
+without pipelining they would still be queued.
 
 Only actions with one possible core count are pipelined: an action with a choice of cores
 waits for the policy, which sizes it to the cores free when it starts (its elasticity is

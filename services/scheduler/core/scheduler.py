@@ -79,6 +79,7 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # grant a full node's next fixed-size actions on its busy cores (see pipeline); off in the
     # simulator, whose virtual agents start what they get at once
     pipeline: bool = False
+    pipeline_depth: Annotated[int, msgspec.Meta(ge=1)] = 2  # waiting grants per core at most
 
 
 @dataclass
@@ -459,8 +460,16 @@ class SchedulerCore:
             node.free |= units - self.gpu.held(node)
             return
         for core in units:
-            if node.next.pop(core, None) is None:
+            chain = node.next.get(core)
+            if not chain:
                 node.free.add(core)
+                continue
+            if run.action.spec.action_id in chain:  # it waited: the core stays with its holder
+                chain.remove(run.action.spec.action_id)
+            else:  # it held the core: the first waiting action has it now
+                chain.pop(0)
+            if not chain:
+                del node.next[core]
 
     def finish(self, action: UnifiedAction, result: ActionResult) -> list[Effect]:
         """End an action no longer queued or running with ``result``."""
@@ -617,20 +626,33 @@ class SchedulerCore:
                 break
             head.append(act)
         effects: list[Effect] = []
-        for grant in pipeline.plan(head, self._holders(node)):
-            node.next.update(dict.fromkeys(grant.cores, grant.action.spec.action_id))
-            effects += self._book(node, grant.action, grant.cores, now, grant.after)
+        for _ in range(self.cfg.pipeline_depth):  # one more grant per core each round
+            grants = pipeline.plan(head, self._holders(node))
+            if not grants:
+                break
+            head = head[len(grants) :]
+            for grant in grants:
+                for core in grant.cores:
+                    node.next.setdefault(core, []).append(grant.action.spec.action_id)
+                effects += self._book(node, grant.action, grant.cores, now, grant.after)
         return effects
 
     def _holders(self, node: Node) -> list[pipeline.Holder]:
-        """The node's busy cores that no action is granted next, with what holds them."""
+        """The node's busy cores that may take one more waiting grant, each with the action a
+        new grant there would wait for (the last granted the core) and when that was granted."""
         holders = []
         for aid, run in self.running.items():
             if run.node_id != node.node_id or run.kill_by is not None:
                 continue
-            for core in run.cores:
-                if core not in node.next:
-                    holders.append(pipeline.Holder(core, aid, run.started_at))
+            for core in run.cores:  # ``run`` holds the core unless it waits for it
+                chain = node.next.get(core, [])
+                if aid in chain or len(chain) >= self.cfg.pipeline_depth:
+                    continue
+                last = self.running.get(chain[-1]) if chain else run
+                if last is not None:
+                    holders.append(
+                        pipeline.Holder(core, last.action.spec.action_id, last.started_at)
+                    )
         return holders
 
     def _lane_open(self, p: _Pass, lane: str) -> bool:
