@@ -16,7 +16,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Coroutine, Generator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from functools import partial
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -63,6 +64,7 @@ from tangram.errors import (
     TangramError,
     Unavailable,
 )
+from tangram.intake import SubmitBatcher
 from tangram.lease import Lease, SyncLease
 
 T = TypeVar("T")
@@ -94,6 +96,7 @@ class Client:
         self._early: OrderedDict[str, ActionResult] = OrderedDict()
         self._sub: Subscription | None = None
         self._ids = itertools.count()
+        self._intake = SubmitBatcher(bus, ATTEMPT_FIRST_S)  # submits leave in batches
 
     @classmethod
     def connect(cls, nats_url: str | None = None, **kw: Any) -> _Connecting:
@@ -125,6 +128,7 @@ class Client:
         for fut in self._waiters.values():
             if not fut.done():
                 fut.cancel()
+        await self._intake.close()
         await self.bus.close()
 
     async def __aenter__(self) -> Client:
@@ -369,22 +373,31 @@ class Client:
     async def _submit(self, spec: ActionSpec) -> Accepted | ActionResult:
         with telemetry.tracer().start_as_current_span("tangram.submit") as span:
             span.set_attribute("tangram.action_id", spec.action_id)
+            req = Submit(spec=spec, reply_subject=subjects.results(self.client_id))
+            # A traced submit goes alone: its request carries its own trace context.
+            first = None if telemetry.recording() else partial(self._intake.submit, req)
             reply = await self._gateway(
-                Submit(spec=spec, reply_subject=subjects.results(self.client_id)),
-                busy_s=spec.queue_timeout_s or BUSY_WAIT_S,
+                req, busy_s=spec.queue_timeout_s or BUSY_WAIT_S, first=first
             )
         if not isinstance(reply, Accepted | ActionResult):
             raise TangramError(f"unexpected reply to submit: {type(reply).__name__}")
         return reply
 
-    async def _gateway(self, req: Any, *, busy_s: float = 0.0) -> Any:
+    async def _gateway(
+        self,
+        req: Any,
+        *,
+        busy_s: float = 0.0,
+        first: Callable[[], Awaitable[Any]] | None = None,
+    ) -> Any:
         """Ask the gateway. What the error tree marks retryable (busy, unreachable, no reply,
         a server's ``unavailable`` reply) is retried with backoff (``busy``: after the
         ``retry_after_s`` it names, see :func:`_pause`) until ``request_timeout`` is spent,
         then raised; every request is idempotent (submits by ``action_id``), so a try whose
         reply was lost (a broker restart) is simply made again. A ``busy`` answer (the mesh
         is up, its queue full) renews that budget for up to ``busy_s`` in all: a submit
-        refused for a full queue waits here as long as it would have waited in the queue."""
+        refused for a full queue waits here as long as it would have waited in the queue.
+        ``first`` makes the first try (a submit: in its client's batch, see ``intake``)."""
         start = time.monotonic()
         deadline = start + self.request_timeout
         busy_until = start + max(self.request_timeout, busy_s)
@@ -392,6 +405,8 @@ class Client:
         while True:
             tries += 1
             try:
+                if tries == 1 and first is not None:
+                    return await first()
                 return await self.bus.request(
                     subjects.GATEWAY, req, timeout=min(attempt_s, _left(deadline))
                 )

@@ -26,6 +26,7 @@ from tangram.contract import (
     SchedulerRequest,
     SchedulerStatus,
     Services,
+    Submitted,
 )
 
 Req = TypeVar("Req")
@@ -38,7 +39,7 @@ GATEWAY_QUEUE: Final = "gateway"
 SCHEDULER_QUEUE: Final = "scheduler"
 
 # What the gateway answers (besides ErrorReply); what the scheduler answers on its action subject.
-GatewayAnswer = Accepted | ActionResult | Pending | Done | Services | Quotas
+GatewayAnswer = Accepted | ActionResult | Pending | Done | Services | Quotas | Submitted
 SchedulerAnswer = Ack | SchedulerStatus | Services | Resources
 
 

@@ -35,6 +35,7 @@ from tangram.contract import (
     Done,
     Enqueue,
     EnqueueMany,
+    ErrorReply,
     GatewayRequest,
     GetResult,
     ListQuotas,
@@ -47,6 +48,8 @@ from tangram.contract import (
     Services,
     SetQuota,
     Submit,
+    SubmitMany,
+    Submitted,
     UnifiedAction,
 )
 from tangram.errors import Busy, InvalidRequest, NotFound, TangramError
@@ -55,7 +58,7 @@ from tangram.runtime import Service
 log = logging.getLogger(__name__)
 
 SCHEDULER_TIMEOUT_S = 5.0
-Reply = Accepted | ActionResult | Pending | Done | Services | Quotas
+Reply = Accepted | ActionResult | Pending | Done | Services | Quotas | Submitted
 
 
 class Gateway(Service):
@@ -110,6 +113,9 @@ class Gateway(Service):
         match req:
             case Submit():
                 return await self.submit(req)
+            case SubmitMany(items=items):
+                answers = await asyncio.gather(*(self._submit_one(one) for one in items))
+                return Submitted(items=tuple(answers))
             case GetResult(action_id=action_id):
                 return await self.get_result(action_id)
             case CloseEnv(trajectory_id=tid):
@@ -133,6 +139,13 @@ class Gateway(Service):
         """The scheduler's report (decoded and bounds-checked by the bus: a garbled one never
         gets here)."""
         self.admission.observe(pressure)
+
+    async def _submit_one(self, req: Submit) -> Accepted | ActionResult | ErrorReply:
+        """One item of a batch: its answer, or why it alone was refused."""
+        try:
+            return await self.submit(req)
+        except TangramError as exc:
+            return exc.to_reply()
 
     async def submit(self, req: Submit) -> Accepted | ActionResult:
         action = formulate(

@@ -240,6 +240,21 @@ async def test_kill9_during_a_batched_terminal_write(
         await exactly_once(mesh, client, todo, box)
 
 
+async def blocked_first_pass(
+    mesh: Mesh, client: Client, uid: str, box: Box
+) -> tuple[list[ActionSpec], RowLocks, int, list[str]]:
+    """Actions accepted while the scheduler is away are all queued when it comes back: its
+    first pass grants every core at once, as one ``started`` write, which waits on locks."""
+    capacity = (await mesh.wait_ready()).free_cores
+    await mesh.kill("scheduler")
+    todo = specs(uid, box, capacity)
+    await asyncio.gather(*(client.submit(s) for s in todo))
+    locks = await RowLocks.take(mesh.postgres_dsn, [s.action_id for s in todo])
+    await mesh.start_service("scheduler")
+    pid, batch = await waiting_write(mesh, locks, STARTED_WRITE)
+    return todo, locks, pid, batch
+
+
 @pytest.mark.parametrize("outcome", OUTCOMES)
 async def test_kill9_during_a_batched_started_write(
     own_mesh: Mesh, uid: str, tmp_path: Path, outcome: str
@@ -248,16 +263,8 @@ async def test_kill9_during_a_batched_started_write(
     dispatched, and the next scheduler runs each once (even when that write commits after
     its scheduler died, recording starts that never happened)."""
     mesh, box = own_mesh, Box(tmp_path / "box")
-    capacity = (await mesh.wait_ready()).free_cores
-    # Actions accepted while the scheduler is away are all queued when it comes back: its
-    # first pass grants every core at once, as one batch.
-    await mesh.kill("scheduler")
     async with Client.connect(mesh.nats_url) as client:
-        todo = specs(uid, box, capacity)
-        await asyncio.gather(*(client.submit(s) for s in todo))
-        locks = await RowLocks.take(mesh.postgres_dsn, [s.action_id for s in todo])
-        await mesh.start_service("scheduler")
-        pid, batch = await waiting_write(mesh, locks, STARTED_WRITE)
+        todo, locks, pid, batch = await blocked_first_pass(mesh, client, uid, box)
         assert len(batch) >= 2, batch
         assert box.runs() == {}  # a dispatch leaves only once its start is recorded
         await orphan(mesh, pid, [locks], outcome)
@@ -277,14 +284,8 @@ async def test_a_new_scheduler_cuts_off_a_dead_ones_write_before_it_reads(
     by it (its session fenced off), so it can never commit later over the new one's books:
     the waiting start never lands, and each action runs once."""
     mesh, box = own_mesh, Box(tmp_path / "box")
-    capacity = (await mesh.wait_ready()).free_cores
-    await mesh.kill("scheduler")
     async with Client.connect(mesh.nats_url) as client:
-        todo = specs(uid, box, capacity)
-        await asyncio.gather(*(client.submit(s) for s in todo))
-        locks = await RowLocks.take(mesh.postgres_dsn, [s.action_id for s in todo])
-        await mesh.start_service("scheduler")
-        pid, batch = await waiting_write(mesh, locks, STARTED_WRITE)
+        todo, locks, pid, batch = await blocked_first_pass(mesh, client, uid, box)
         await mesh.kill("scheduler")  # its write still waits on the locks
         await mesh.start_service("scheduler")  # fences before it reads
         await backend_gone(mesh.postgres_dsn, pid)

@@ -25,7 +25,7 @@ from tangram.contract import (
     NumaCores,
     Outcome,
 )
-from tangram.errors import Unavailable
+from tangram.errors import InvalidRequest, Unavailable
 from tangram.membus import MemoryBroker
 
 from ..support import eventually, unbatched
@@ -69,11 +69,14 @@ class FakeScheduler:
     def __init__(self) -> None:
         self.heard: list[NodeMessage] = []
         self.raw: list[NodeMessage] = []  # as sent: completions may travel together
+        self.refuse: set[str] = set()  # completions of these actions are refused
         self.acking = asyncio.Event()
 
     async def on_node(self, msg: NodeMessage, _raw: Any) -> Ack:
         self.raw.append(msg)
         self.heard += unbatched(msg)
+        if any(getattr(m, "action_id", "") in self.refuse for m in unbatched(msg)):
+            raise InvalidRequest("refused for the test")
         if isinstance(msg, Completion | Completions) and not self.acking.is_set():
             raise Unavailable("not now")
         return Ack()
@@ -154,3 +157,25 @@ async def test_commands_of_one_pass_are_taken_one_by_one_and_completions_travel_
     await eventually(lambda: not agent.core.unacked and not agent.core.active, what="the acks")
     together = [m for m in scheduler.raw if isinstance(m, Completions)]
     assert [[c.action_id for c in m.items] for m in together] == [["a", "b"]]
+
+
+async def test_a_refused_completion_does_not_hold_back_the_others_of_its_batch(
+    mesh: tuple[Agent, FakeExecutor, FakeScheduler, Any],
+):
+    agent, executor, scheduler, sbus = mesh
+    scheduler.acking.set()
+    scheduler.refuse.add("bad")
+    await agent.start()
+    await eventually(lambda: scheduler.of(NodeReport), what="registration")
+    batch = Commands(
+        items=(
+            dispatch("bad", cores=(0,), incarnation="inc"),
+            dispatch("a", cores=(1,), incarnation="inc"),
+        ),
+        epoch=1,
+    )
+    await sbus.publish(subjects.node("n0"), batch)
+    await eventually(lambda: {"a", "bad"} <= set(executor.release), what="both to start")
+    for aid in ("bad", "a"):
+        executor.release[aid].set()
+    await eventually(lambda: set(agent.core.unacked) == {"bad"}, what="a acked alone")

@@ -276,6 +276,10 @@ class Agent(Service):
             await self.bus.request(subjects.SCHED_NODES, msg, timeout=self.cfg.completion_timeout_s)
             delivered = True
         except InvalidRequest as exc:  # refused: it will be again; say so louder
+            if len(batch) > 1:  # one refused completion must not hold back the others
+                for c in batch:
+                    await self._deliver([c])
+                return
             log.warning("completion of %s refused: %s", ids, exc)
         except TangramError as exc:
             log.info("completion of %s not acknowledged yet: %s", ids, exc)

@@ -235,8 +235,15 @@ class ReleaseLease(_Msg, tag="release_lease"):
     retry_after_s: Annotated[float, Meta(ge=0, le=24 * 3600)] | None = None
 
 
+class SubmitMany(_Msg, tag="submit_many"):
+    """Submits of one client that left together (answered by ``Submitted``, item by item)."""
+
+    items: tuple[Submit, ...]
+
+
 GatewayRequest = (
     Submit
+    | SubmitMany
     | GetResult
     | CloseEnv
     | Cancel
@@ -299,4 +306,10 @@ class Quotas(_Msg, tag="quotas"):
     quotas: tuple[QuotaState, ...] = ()
 
 
-GatewayReply = Accepted | ActionResult | Pending | Done | Services | Quotas | ErrorReply
+class Submitted(_Msg, tag="submitted"):
+    """The answer to ``SubmitMany``: one per item, in order (an item refused alone says why)."""
+
+    items: tuple[Accepted | ActionResult | ErrorReply, ...]
+
+
+GatewayReply = Accepted | ActionResult | Pending | Done | Services | Quotas | Submitted | ErrorReply

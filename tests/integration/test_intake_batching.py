@@ -1,0 +1,139 @@
+"""The client's submits leave in batches (one in flight per client): each item of a batch is
+answered alone, a refused item is retried (busy) or raised (invalid) for its caller only, and
+through a real mesh every action of a burst is accepted and run exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from nats.aio.msg import Msg
+
+from tangram import subjects
+from tangram.bus import Bus
+from tangram.client import Client
+from tangram.contract import (
+    Accepted,
+    ActionSpec,
+    ErrorReply,
+    ExecAction,
+    GatewayRequest,
+    Submit,
+    SubmitMany,
+    Submitted,
+    codec,
+    encode,
+)
+from tangram.errors import Busy, InvalidRequest
+from tangram.launcher import Mesh
+
+from ..support import running_mesh
+
+
+def spec(aid: str, command: str = "true") -> ActionSpec:
+    return ActionSpec(
+        action_id=aid, job_id="j", trajectory_id=aid, action=ExecAction(command=command)
+    )
+
+
+class ItemGateway:
+    """Answers a batch item by item: ``bad`` refused for good, ``late`` busy once."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.requests: list[GatewayRequest] = []
+
+    async def start(self) -> None:
+        await self.bus.nc.subscribe(subjects.GATEWAY.subject, cb=self.on_msg)
+
+    async def on_msg(self, msg: Msg) -> None:
+        req = codec.decode(msg.data, GatewayRequest)
+        self.requests.append(req)
+        items = req.items if isinstance(req, SubmitMany) else (req,)
+        answers = [self.answer(one) for one in items if isinstance(one, Submit)]
+        reply = Submitted(items=tuple(answers)) if isinstance(req, SubmitMany) else answers[0]
+        await msg.respond(encode(reply))
+
+    def answer(self, req: Submit) -> Accepted | ErrorReply:
+        aid = req.spec.action_id
+        if aid == "bad":
+            return InvalidRequest("bad is refused").to_reply()
+        if aid == "late" and sum(1 for r in self.requests if _has(r, "late")) == 1:
+            return Busy("busy for the test", retry_after_s=0.2).to_reply()
+        return Accepted(action_id=aid)
+
+
+def _has(req: GatewayRequest, aid: str) -> bool:
+    items = req.items if isinstance(req, SubmitMany) else (req,)
+    return any(isinstance(i, Submit) and i.spec.action_id == aid for i in items)
+
+
+@pytest.fixture
+async def raw_bus(nats_url: str) -> AsyncIterator[Bus]:
+    bus = await Bus.connect(nats_url, "fake-gateway")
+    yield bus
+    await bus.close()
+
+
+async def test_each_item_of_a_batch_is_answered_alone(raw_bus: Bus, nats_url: str):
+    gateway = ItemGateway(raw_bus)
+    await gateway.start()
+    async with Client.connect(nats_url) as client:
+        good, bad, late = await asyncio.gather(
+            client.submit(spec("good")),
+            client.submit(spec("bad")),
+            client.submit(spec("late")),
+            return_exceptions=True,
+        )
+    assert isinstance(good, Accepted)
+    assert good.action_id == "good"
+    assert isinstance(bad, InvalidRequest)  # refused for good: raised to its caller only
+    assert "bad is refused" in bad.message
+    assert isinstance(late, Accepted)  # busy once, then retried alone
+    first = gateway.requests[0]
+    assert isinstance(first, SubmitMany)  # the three left together
+    assert [i.spec.action_id for i in first.items] == ["good", "bad", "late"]
+    assert isinstance(gateway.requests[-1], Submit)
+
+
+@pytest.fixture(scope="module")
+async def mesh_(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]:
+    root: Path = tmp_path_factory.mktemp("intake")
+    async with running_mesh(root) as m:
+        yield m
+
+
+async def test_a_burst_from_one_client_leaves_in_batches_and_runs_once(mesh_: Mesh, tmp_path):
+    seen: list[GatewayRequest] = []
+
+    async def spy(msg: Msg) -> None:
+        seen.append(codec.decode(msg.data, GatewayRequest))
+
+    ran = tmp_path / "ran"
+    watcher = await Bus.connect(mesh_.nats_url, "intake-spy")
+    try:
+        await watcher.nc.subscribe(subjects.GATEWAY.subject, cb=spy)
+        await watcher.nc.flush()
+        async with Client.connect(mesh_.nats_url) as client:
+            results = await asyncio.gather(
+                *(
+                    client.exec(
+                        f'echo "$TANGRAM_ACTION_ID" >> {ran}',
+                        trajectory_id=f"b{k % 8}",
+                        job_id="intake",
+                        wait_s=60,
+                    )
+                    for k in range(60)
+                )
+            )
+    finally:
+        await watcher.close()
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    assert sorted(ran.read_text().split()) == sorted(r.action_id for r in results)
+    batches = [r for r in seen if isinstance(r, SubmitMany)]
+    assert batches, "no submits left together"
+    submitted = [i.spec.action_id for r in batches for i in r.items]
+    submitted += [r.spec.action_id for r in seen if isinstance(r, Submit)]
+    assert sorted(submitted) == sorted(r.action_id for r in results)  # each sent once
