@@ -124,6 +124,9 @@ class SchedulerCore:
         self._per_pool = self.policy if isinstance(self.policy, PerPool) else None
         # A policy that only admits what fits at minimum needs no view past the block.
         self._lookahead = self.cfg.lookahead if self.policy.lookahead else 0
+        # A shared policy has nothing to decide for a node with no free core; a per-pool one
+        # (reservations) is still shown its pool.
+        self._idle_policy_when_full = self._per_pool is None
         c = self.cfg
         self.gpu = GpuScheduler(self, c.gpu_order, c.prepare_timeout_s, c.prepare_retry_s)
 
@@ -708,6 +711,9 @@ class SchedulerCore:
         """Add ``act`` to its pool's FCFS list: fitting at minimum, or as lookahead."""
         if node_id in p.full or node_id in p.reserved or self.nodes[node_id].draining:
             return
+        if self._idle_policy_when_full and not self.nodes[node_id].free:
+            self._offer_full(p, self.nodes[node_id], act)
+            return
         p.waiting.setdefault(node_id, []).append(act)
         if node_id in p.blocked:
             p.extra[node_id] = extra = p.extra.get(node_id, 0) + 1
@@ -719,6 +725,24 @@ class SchedulerCore:
             p.blocked.add(node_id)
         else:
             p.need[node_id] = need
+
+    def _offer_full(self, p: _Pass, node: Node, act: UnifiedAction) -> None:
+        """A node with no free core starts nothing in this pass: only pipelining may take
+        the head of its pool, so it is offered no more than that can take (a pass behind
+        full nodes costs what can move, not the policy's lookahead)."""
+        waiting = p.waiting.setdefault(node.node_id, [])
+        room = self._pipeline_room(node)
+        if len(waiting) < room:
+            waiting.append(act)
+        if len(waiting) >= room:
+            p.full.add(node.node_id)
+
+    def _pipeline_room(self, node: Node) -> int:
+        """Waiting grants a full node can still take (0 without pipelining)."""
+        if not self.cfg.pipeline or node.gpu is not None:
+            return 0
+        waiting = sum(len(chain) for chain in node.next.values())
+        return max(0, node.capacity * self.cfg.pipeline_depth - waiting)
 
     def _place(self, act: UnifiedAction, p: _Pass) -> str | None:
         """CPU-memory load balance over nodes with room for the action and its environment."""
@@ -793,6 +817,8 @@ class SchedulerCore:
         return self._finish(act, verdict(act, ErrorKind.INVALID_REQUEST, why, now=now))
 
     def _admit(self, node: Node, acts: list[UnifiedAction], now: float) -> list[Effect]:
+        if self._idle_policy_when_full and not node.free:
+            return []  # nothing can start (see _offer_full)
         waiting = [self._view(a) for a in acts]
         busy = [
             views.running(r.action, len(r.cores), r.started_at)
