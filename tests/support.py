@@ -9,9 +9,13 @@ import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from tangram.contract import Commands, Completions, NodeCommand, NodeMessage
+import msgspec
+
+from tangram.bus import Bus
+from tangram.client import Client
+from tangram.contract import ActionResult, Commands, Completions, NodeCommand, NodeMessage, codec
 from tangram.launcher import Mesh, MeshOptions
 
 T = TypeVar("T")
@@ -88,3 +92,45 @@ def commands_in(cmd: NodeCommand) -> list[NodeCommand]:
     """A node command as the commands it carries (a pass's commands for a node travel
     together)."""
     return list(cmd.items) if isinstance(cmd, Commands) else [cmd]
+
+
+@contextlib.asynccontextmanager
+async def spying(nats_url: str, subject: str, typ: Any) -> AsyncIterator[list[Any]]:
+    """Every message on ``subject`` while inside, decoded as ``typ`` (undecodable ones left
+    out)."""
+    seen: list[Any] = []
+
+    async def on_msg(msg: Any) -> None:
+        with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
+            seen.append(codec.decode(msg.data, typ))
+
+    bus = await Bus.connect(nats_url, "test-spy")
+    try:
+        await bus.nc.subscribe(subject, cb=on_msg)
+        await bus.nc.flush()
+        yield seen
+    finally:
+        await bus.close()
+
+
+async def burst(
+    nats_url: str, ran: Path, n: int, trajectories: int, then: str = ""
+) -> list[ActionResult]:
+    """``n`` actions at once from one client, each appending its id to ``ran`` (then running
+    ``then``); asserts each succeeded and ran exactly once."""
+    async with Client.connect(nats_url) as client:
+        results = await asyncio.gather(
+            *(
+                client.exec(
+                    f'echo "$TANGRAM_ACTION_ID" >> {ran}{then}',
+                    trajectory_id=f"burst{k % trajectories}",
+                    job_id="burst",
+                    wait_s=60,
+                )
+                for k in range(n)
+            )
+        )
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    lines = (await asyncio.to_thread(ran.read_text)).split()
+    assert sorted(lines) == sorted(r.action_id for r in results)
+    return list(results)

@@ -51,6 +51,7 @@ from tangram.contract import (
     SubmitMany,
     Submitted,
     UnifiedAction,
+    batches,
 )
 from tangram.errors import Busy, InvalidRequest, NotFound, TangramError
 from tangram.runtime import Service
@@ -179,12 +180,11 @@ class Gateway(Service):
 
     def _send_hand_off(self) -> None:
         batch, self._handing = self._handing, []
-        if not batch:
-            return
-        msg = Enqueue(action=batch[0]) if len(batch) == 1 else EnqueueMany(actions=tuple(batch))
-        task = asyncio.get_running_loop().create_task(self._publish(msg))
-        self._sends.add(task)
-        task.add_done_callback(self._sends.discard)
+        for run in batches(batch):
+            msg = Enqueue(action=run[0]) if len(run) == 1 else EnqueueMany(actions=tuple(run))
+            task = asyncio.get_running_loop().create_task(self._publish(msg))
+            self._sends.add(task)
+            task.add_done_callback(self._sends.discard)
 
     async def _publish(self, msg: Enqueue | EnqueueMany) -> None:
         try:

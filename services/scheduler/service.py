@@ -73,6 +73,7 @@ from tangram.contract import (
     ServiceSpec,
     StatusQuery,
     UnifiedAction,
+    batches,
 )
 from tangram.errors import TangramError
 from tangram.runtime import Service
@@ -303,12 +304,13 @@ class Scheduler(Service):
         """Push results to their client (a lone one with its trace context, several as a
         list); if the broker is away the client asks the gateway."""
         try:
-            if len(done) == 1:
-                one = done[0]
+            for run in batches([f.result for f in done]):
+                if len(run) > 1:
+                    await self.bus.publish(subjects.result_push(subject), run)
+                    continue
+                (one,) = [f for f in done if f.result is run[0]]
                 trace = one.action.traceparent
                 await self.bus.publish(subjects.result_push(subject), one.result, traceparent=trace)
-            else:
-                await self.bus.publish(subjects.result_push(subject), [f.result for f in done])
         except TangramError as exc:
             log.info("results of %s not pushed: %s", [f.result.action_id for f in done], exc)
 
@@ -364,13 +366,14 @@ class Scheduler(Service):
     async def _send(self, node_id: str, items: list[Dispatch | Kill | DropEnv | Prepare]) -> None:
         """One message per node: a lone command as itself (a dispatch with its trace
         context), several as one ``Commands``."""
-        if len(items) == 1:
-            one = items[0]
-            trace = one.action.traceparent if isinstance(one, Dispatch) else ""
-            await self.bus.publish(subjects.node(node_id), one, traceparent=trace)
-        else:
-            batch = Commands(items=tuple(items), epoch=self.epoch)
-            await self.bus.publish(subjects.node(node_id), batch)
+        for run in batches(items):
+            if len(run) == 1:
+                one = run[0]
+                trace = one.action.traceparent if isinstance(one, Dispatch) else ""
+                await self.bus.publish(subjects.node(node_id), one, traceparent=trace)
+            else:
+                batch = Commands(items=tuple(run), epoch=self.epoch)
+                await self.bus.publish(subjects.node(node_id), batch)
 
     def _still_assigned(self, e: StartOnNode) -> bool:
         """While its record committed, the attempt may have been redone or its node lost."""

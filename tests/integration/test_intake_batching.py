@@ -29,7 +29,7 @@ from tangram.contract import (
 from tangram.errors import Busy, InvalidRequest
 from tangram.launcher import Mesh
 
-from ..support import running_mesh
+from ..support import burst, running_mesh, spying
 
 
 def spec(aid: str, command: str = "true") -> ActionSpec:
@@ -106,34 +106,30 @@ async def mesh_(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]
 
 
 async def test_a_burst_from_one_client_leaves_in_batches_and_runs_once(mesh_: Mesh, tmp_path):
-    seen: list[GatewayRequest] = []
-
-    async def spy(msg: Msg) -> None:
-        seen.append(codec.decode(msg.data, GatewayRequest))
-
-    ran = tmp_path / "ran"
-    watcher = await Bus.connect(mesh_.nats_url, "intake-spy")
-    try:
-        await watcher.nc.subscribe(subjects.GATEWAY.subject, cb=spy)
-        await watcher.nc.flush()
-        async with Client.connect(mesh_.nats_url) as client:
-            results = await asyncio.gather(
-                *(
-                    client.exec(
-                        f'echo "$TANGRAM_ACTION_ID" >> {ran}',
-                        trajectory_id=f"b{k % 8}",
-                        job_id="intake",
-                        wait_s=60,
-                    )
-                    for k in range(60)
-                )
-            )
-    finally:
-        await watcher.close()
-    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
-    assert sorted(ran.read_text().split()) == sorted(r.action_id for r in results)
+    async with spying(mesh_.nats_url, subjects.GATEWAY.subject, GatewayRequest) as seen:
+        results = await burst(mesh_.nats_url, tmp_path / "ran", 60, 8)
     batches = [r for r in seen if isinstance(r, SubmitMany)]
     assert batches, "no submits left together"
     submitted = [i.spec.action_id for r in batches for i in r.items]
     submitted += [r.spec.action_id for r in seen if isinstance(r, Submit)]
     assert sorted(submitted) == sorted(r.action_id for r in results)  # each sent once
+
+
+async def test_large_results_of_one_pass_are_pushed_in_messages_that_fit(mesh_: Mesh):
+    # Six results of ~200 KB each end together: one list would exceed NATS' 1 MiB payload,
+    # and a refused push would leave the client to poll (30 s); they arrive at once instead.
+    async with Client.connect(mesh_.nats_url) as client:
+        results = await asyncio.gather(
+            *(
+                client.exec(
+                    "head -c 200000 /dev/zero | tr '\\0' x",
+                    trajectory_id=f"big{k}",
+                    job_id="big",
+                    output_cap_bytes=256 * 1024,
+                    wait_s=20,
+                )
+                for k in range(6)
+            )
+        )
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    assert all(r.stdout == "x" * 200_000 for r in results)

@@ -38,6 +38,7 @@ from tangram.contract.agent import (
     RunningAction,
 )
 from tangram.contract.base import (
+    BATCH_BYTES,
     CONTRACT_VERSION,
     MAX_ARGS,
     MAX_COMMAND_BYTES,
@@ -52,6 +53,7 @@ from tangram.contract.base import (
     PosSeconds,
     Subject,
     Timestamp,
+    batches,
     codec,
     encode,
 )
@@ -146,6 +148,7 @@ from tangram.contract.scheduler import (
 )
 
 __all__ = [
+    "BATCH_BYTES",
     "CONTRACT_VERSION",
     "MAX_ARGS",
     "MAX_COMMAND_BYTES",
@@ -253,6 +256,7 @@ __all__ = [
     "Timings",
     "TrajectoryId",
     "UnifiedAction",
+    "batches",
     "checked_quota",
     "checked_service",
     "codec",

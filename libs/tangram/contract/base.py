@@ -9,7 +9,8 @@ see valid objects. Everything is encoded with MessagePack.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Final
+from collections.abc import Sequence
+from typing import Annotated, Any, Final, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
@@ -42,6 +43,30 @@ _encoder = msgspec.msgpack.Encoder()
 def encode(msg: Any) -> bytes:
     """Encode any contract message."""
     return _encoder.encode(msg)
+
+
+# What the items of one batch message (commands, completions, results, actions) may take
+# together, encoded: half the limit, room for the message's own fields and framing.
+BATCH_BYTES: Final = MAX_MESSAGE_BYTES // 2
+
+T = TypeVar("T")
+
+
+def batches(items: Sequence[T], budget: int = BATCH_BYTES) -> list[list[T]]:
+    """``items`` in order, cut into runs that encode to at most ``budget`` bytes together (an
+    item larger than that goes alone: it fits a message by itself)."""
+    if len(items) <= 1:
+        return [list(items)] if items else []
+    runs: list[list[T]] = [[]]
+    size = 0
+    for item in items:
+        n = len(encode(item))
+        if runs[-1] and size + n > budget:
+            runs.append([])
+            size = 0
+        runs[-1].append(item)
+        size += n
+    return runs
 
 
 class Codec:
