@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Final
+from collections import deque
 
 from tangram import subjects
 from tangram.bus import BaseBus
 from tangram.contract import (
-    MAX_MESSAGE_BYTES,
+    BATCH_BYTES,
+    MAX_SUBMITS,
     Accepted,
     ActionResult,
     ErrorReply,
@@ -32,8 +33,6 @@ from tangram.errors import TangramError, Unavailable, from_reply
 
 log = logging.getLogger(__name__)
 
-MAX_BATCH: Final = 256
-BATCH_BYTES: Final = MAX_MESSAGE_BYTES // 2  # headroom: the gateway's answer may be larger
 
 Answer = Accepted | ActionResult
 _Pending = tuple[Submit, "asyncio.Future[Answer]"]
@@ -45,7 +44,7 @@ class SubmitBatcher:
     def __init__(self, bus: BaseBus, attempt_s: float) -> None:
         self.bus = bus
         self.attempt_s = attempt_s
-        self._queue: list[_Pending] = []
+        self._queue: deque[_Pending] = deque()
         self._sender: asyncio.Task[None] | None = None
 
     async def submit(self, req: Submit) -> Answer:
@@ -57,19 +56,22 @@ class SubmitBatcher:
         return await fut
 
     async def close(self) -> None:
+        """Stop sending; every submit not answered yet fails ``unavailable`` (retryable)."""
         if self._sender is not None:
             self._sender.cancel()
             await asyncio.gather(self._sender, return_exceptions=True)
-        for _, fut in self._queue:
-            if not fut.done():
-                fut.set_exception(Unavailable("the client was closed"))
-        self._queue = []
+        _fail([fut for _, fut in self._queue], Unavailable("the client was closed"))
+        self._queue.clear()
 
     async def _send_all(self) -> None:
         await asyncio.sleep(0)  # the submits of this turn of the event loop go together
         while self._queue:
             batch = self._next_batch()
-            answers = await self._send(batch)
+            try:
+                answers = await self._send(batch)
+            except BaseException:  # cancelled (the client closed): none of it left hanging
+                _fail([fut for _, fut in batch], Unavailable("the client was closed"))
+                raise
             for (_, fut), answer in zip(batch, answers, strict=True):
                 if fut.done():
                     continue
@@ -79,13 +81,14 @@ class SubmitBatcher:
                     fut.set_result(answer)
 
     def _next_batch(self) -> list[_Pending]:
+        """The oldest submits that fit one message together."""
         batch: list[_Pending] = []
         size = 0
-        while self._queue and len(batch) < MAX_BATCH:
+        while self._queue and len(batch) < MAX_SUBMITS:
             n = len(encode(self._queue[0][0]))
             if batch and size + n > BATCH_BYTES:
                 break
-            batch.append(self._queue.pop(0))
+            batch.append(self._queue.popleft())
             size += n
         return batch
 
@@ -109,3 +112,9 @@ class SubmitBatcher:
 
 def _item(answer: Accepted | ActionResult | ErrorReply) -> Answer | TangramError:
     return from_reply(answer) if isinstance(answer, ErrorReply) else answer
+
+
+def _fail(futures: list[asyncio.Future[Answer]], error: TangramError) -> None:
+    for fut in futures:
+        if not fut.done():
+            fut.set_exception(error)

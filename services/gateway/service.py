@@ -191,6 +191,8 @@ class Gateway(Service):
             await self.bus.publish(subjects.SCHED_ACTIONS, msg)
         except TangramError as exc:
             log.warning("hand-off to the scheduler failed (its sweep will find them): %s", exc)
+        except Exception:  # a bug: the sweep still finds them; say so loudly
+            log.exception("hand-off to the scheduler failed (its sweep will find them)")
 
     async def _refuse(self, action_id: str, busy: Busy) -> Accepted | ActionResult:
         """Over the bound: answer an action that is already durable (a retry whose reply was

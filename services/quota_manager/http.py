@@ -34,6 +34,7 @@ from services.quota_manager.reach import (
     check_body,
     check_headers,
     check_redirect,
+    for_origin,
 )
 from tangram.contract import HttpResponse
 from tangram.contract.hosts import Target, check_url
@@ -127,7 +128,7 @@ class Upstream:
         cannot be reached."""
         check_headers(call.headers)
         check_body(call.body)
-        target = check_url(call.url, call.hosts)
+        target = first = check_url(call.url, call.hosts)
         method, body = call.method, call.body
         for _ in range(MAX_REDIRECTS + 1):
             check_literal(target, call.hosts)
@@ -136,7 +137,7 @@ class Upstream:
                 session.request(
                     method,
                     URL(target.url, encoded=True),
-                    headers=call.headers,
+                    headers=for_origin(call.headers, first, target),
                     data=body or None,
                     allow_redirects=False,
                     trace_request_ctx=sent,

@@ -52,8 +52,25 @@ _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
 
 def check_redirect(location: str, current: str, hosts: tuple[str, ...]) -> Target:
-    """The target of a redirect from ``current`` to ``location``, by the same rule."""
-    return check_url(urljoin(current, location.strip()), hosts)
+    """The target of a redirect from ``current`` to ``location``, by the same rule; never from
+    https down to http (what the request carries would leave in the clear)."""
+    target = check_url(urljoin(current, location.strip()), hosts)
+    if current.lower().startswith("https:") and target.scheme != "https":
+        raise InvalidRequest(f"redirect refused: from https down to {target.scheme}")
+    return target
+
+
+# Sent to the first target only: a redirect to another origin (scheme, host, port) drops them,
+# as browsers and ``requests`` do, so a key never reaches a host it was not meant for.
+CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
+
+
+def for_origin(headers: Mapping[str, str], first: Target, target: Target) -> Mapping[str, str]:
+    """The headers of a hop to ``target``: all of them on the first target's origin, none of
+    the credentials elsewhere."""
+    if (target.scheme, target.host, target.port) == (first.scheme, first.host, first.port):
+        return headers
+    return {k: v for k, v in headers.items() if k.lower() not in CREDENTIAL_HEADERS}
 
 
 def check_address(target: Target, address: str, hosts: tuple[str, ...]) -> None:

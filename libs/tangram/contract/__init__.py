@@ -41,6 +41,7 @@ from tangram.contract.base import (
     BATCH_BYTES,
     CONTRACT_VERSION,
     MAX_ARGS,
+    MAX_BATCH_ITEMS,
     MAX_COMMAND_BYTES,
     MAX_ENV_VARS,
     MAX_MESSAGE_BYTES,
@@ -59,6 +60,7 @@ from tangram.contract.base import (
 )
 from tangram.contract.client import (
     MAX_HTTP_BODY,
+    MAX_SUBMITS,
     TERMINAL,
     Accepted,
     ActionKind,
@@ -151,6 +153,7 @@ __all__ = [
     "BATCH_BYTES",
     "CONTRACT_VERSION",
     "MAX_ARGS",
+    "MAX_BATCH_ITEMS",
     "MAX_COMMAND_BYTES",
     "MAX_ENV_VARS",
     "MAX_HOSTS",
@@ -158,6 +161,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "MAX_OUTPUT_CAP",
     "MAX_SERVICE_OUTPUT",
+    "MAX_SUBMITS",
     "TERMINAL",
     "Accepted",
     "Ack",

@@ -6,9 +6,11 @@ scheduler alone turns them into the user's ``ActionResult``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from tangram.contract.base import NodeId, Timestamp, _Msg
+from msgspec import Meta
+
+from tangram.contract.base import MAX_BATCH_ITEMS, NodeId, Timestamp, _Msg
 from tangram.contract.client import HttpResponse
 from tangram.contract.errors import ErrorKind
 from tangram.contract.resources import QuotaSpec, ServiceSpec
@@ -145,7 +147,7 @@ class Completions(_Msg, tag="completions"):
     """Completions that ended together, in one message (acked together, once every terminal
     record is committed)."""
 
-    items: tuple[Completion, ...]
+    items: Annotated[tuple[Completion, ...], Meta(max_length=MAX_BATCH_ITEMS)]
 
 
 NodeMessage = Completion | Completions | NodeReport | EnvExpired | NodeLeaving
@@ -200,11 +202,16 @@ class Reconcile(_Msg, tag="reconcile"):
     epoch: int
 
 
+NodeOrder = Dispatch | Kill | DropEnv | Prepare  # what a Commands batch may carry
+
+
 class Commands(_Msg, tag="commands"):
     """Several commands for one node, in the order the scheduler decided them: every grant of
     one scheduling pass travels in one message."""
 
-    items: tuple[Dispatch | Kill | DropEnv | Prepare, ...]
+    items: Annotated[
+        tuple[Dispatch | Kill | DropEnv | Prepare, ...], Meta(max_length=MAX_BATCH_ITEMS)
+    ]
     epoch: int
 
 

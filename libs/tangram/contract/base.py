@@ -48,6 +48,7 @@ def encode(msg: Any) -> bytes:
 # What the items of one batch message (commands, completions, results, actions) may take
 # together, encoded: half the limit, room for the message's own fields and framing.
 BATCH_BYTES: Final = MAX_MESSAGE_BYTES // 2
+MAX_BATCH_ITEMS: Final = 4096  # items in one batch message between services
 
 T = TypeVar("T")
 

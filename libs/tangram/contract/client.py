@@ -235,10 +235,13 @@ class ReleaseLease(_Msg, tag="release_lease"):
     retry_after_s: Annotated[float, Meta(ge=0, le=24 * 3600)] | None = None
 
 
+MAX_SUBMITS: Final = 256  # submits in one SubmitMany
+
+
 class SubmitMany(_Msg, tag="submit_many"):
     """Submits of one client that left together (answered by ``Submitted``, item by item)."""
 
-    items: tuple[Submit, ...]
+    items: Annotated[tuple[Submit, ...], Meta(max_length=MAX_SUBMITS)]
 
 
 GatewayRequest = (
@@ -309,7 +312,7 @@ class Quotas(_Msg, tag="quotas"):
 class Submitted(_Msg, tag="submitted"):
     """The answer to ``SubmitMany``: one per item, in order (an item refused alone says why)."""
 
-    items: tuple[Accepted | ActionResult | ErrorReply, ...]
+    items: Annotated[tuple[Accepted | ActionResult | ErrorReply, ...], Meta(max_length=MAX_SUBMITS)]
 
 
 GatewayReply = Accepted | ActionResult | Pending | Done | Services | Quotas | Submitted | ErrorReply

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from tangram.contract.base import Timestamp, _Msg
+from typing import Annotated
+
+from msgspec import Meta
+
+from tangram.contract.base import MAX_BATCH_ITEMS, Timestamp, _Msg
 from tangram.contract.client import ActionSpec, QuotaState, ServiceState
 from tangram.contract.resources import QuotaSpec, ServiceSpec
 
@@ -45,7 +49,7 @@ class Enqueue(_Msg, tag="enqueue"):
 class EnqueueMany(_Msg, tag="enqueue_many"):
     """Actions made durable together, handed to the scheduler in one message."""
 
-    actions: tuple[UnifiedAction, ...]
+    actions: Annotated[tuple[UnifiedAction, ...], Meta(max_length=MAX_BATCH_ITEMS)]
 
 
 class CloseEnvCmd(_Msg, tag="close_env"):
