@@ -23,10 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from services.gpu_manager import catalog, devices
-from services.gpu_manager.batching import Batch, BatchFormer, Call, Output, run_batch
+from services.gpu_manager.batching import Batch, BatchFormer, Call, Output, fault_of, run_batch
 from services.gpu_manager.catalog import Catalog, Prepared, Ran, variant
 from services.gpu_manager.config import GpuManagerConfig
 from services.gpu_manager.devices import Chunk
+from services.gpu_manager.host_copy import Resident
 from services.gpu_manager.outcomes import chunk_of, outcome_of, refused
 from services.gpu_manager.residency import Grant, Residency, snapshot
 from tangram.contract import (
@@ -259,45 +260,52 @@ class GpuExecutor:
             self._resolve(call.call_id, refused(why, self.clock()))
 
     async def _run_batch(self, grant: Grant, entry: Prepared, batch: Batch) -> None:
+        """Evict, restore if needed and run the batch in the worker thread; the catalog's
+        copies change only here, on the event loop."""
         started = self.clock()
         loop = asyncio.get_running_loop()
+        for p in grant.evict:
+            self.catalog.loaded.pop(p, None)  # no write-back: the host copy is invariant
+        resident = self.catalog.loaded.get(grant.placement)
         ok = True
         try:
-            restore_s, outs = await loop.run_in_executor(
-                self._runner, self._work, grant, entry, batch
+            restore_s, resident, outs = await loop.run_in_executor(
+                self._runner, self._work, grant, entry, resident, batch
             )
         except Exception as exc:  # the restore failed (out of memory, a lost device)
             log.warning("restore of %s failed", grant.placement, exc_info=True)
             ok, restore_s = False, 0.0
             outs = _restore_failed(batch, exc)
-        finally:
-            self.residency.release(grant.action_id, self.clock(), resident=ok)
+        # A spec replaced while this batch ran: its copy is not kept for the next call.
+        keep = ok and self.catalog.get(entry.spec.name) is entry
+        self.residency.release(grant.action_id, self.clock(), resident=keep)
+        if keep and resident is not None:
+            self.catalog.loaded[grant.placement] = resident
+        else:
+            self.catalog.loaded.pop(grant.placement, None)
         if ok:
             ran = self.ran.setdefault(grant.placement.service, Ran())
             ran.calls, ran.batches = ran.calls + len(batch.calls), ran.batches + 1
-        else:
-            self.catalog.loaded.pop(grant.placement, None)
         finished = self.clock()
         for out in outs:
             times = {"started": started, "finished": finished, "restore_s": restore_s}
             self._resolve(out.call_id, outcome_of(out, entry.spec, **times))
         self._pump()
 
-    def _work(self, grant: Grant, entry: Prepared, batch: Batch) -> tuple[float, list[Output]]:
-        """In a worker thread: evict, restore if needed, run the batch. Returns restore_s."""
+    def _work(
+        self, grant: Grant, entry: Prepared, resident: Resident | None, batch: Batch
+    ) -> tuple[float, Resident, list[Output]]:
+        """In a worker thread: restore if not ``resident``, run the batch. Returns the restore
+        time and the copy on the device (the caller keeps it)."""
         assert entry.copy is not None, "a batch runs only for a prepared service"
-        for p in grant.evict:
-            self.catalog.loaded.pop(p, None)  # no write-back: the host copy is invariant
         restore_s = 0.0
-        resident = self.catalog.loaded.get(grant.placement)
         if resident is None:
             t0 = time.perf_counter()
             device = self.devices.devices[grant.placement.chunk.start].torch_device
             resident = entry.copy.restore(device)
             _sync(resident.device)
             restore_s = time.perf_counter() - t0
-            self.catalog.loaded[grant.placement] = resident
-        return restore_s, _isolated(resident.model, entry, batch)
+        return restore_s, resident, _isolated(resident.model, entry, batch)
 
 
 def _isolated(model: torch.nn.Module, entry: Prepared, batch: Batch) -> list[Output]:
@@ -311,8 +319,6 @@ def _isolated(model: torch.nn.Module, entry: Prepared, batch: Batch) -> list[Out
 
 
 def _restore_failed(batch: Batch, exc: Exception) -> list[Output]:
-    from services.gpu_manager.batching import fault_of
-
     fault = fault_of(exc)
     why = f"restoring the service failed: {exc!r}"
     return [

@@ -265,6 +265,20 @@ async def test_bad_dispatches_are_refused_as_invalid(node: Node, dispatch: Dispa
     assert words in out.detail
 
 
+async def test_a_service_replaced_while_a_batch_runs_serves_its_new_model_next(node: Node):
+    await node.prepare(ServiceSpec("swap", f"{M}:slow_service"))
+    gpu_models.GATE.clear()
+    await node.call("s0", "swap", [0.0] * 8)
+    await eventually(lambda: node.executor.residency.busy, what="s0 to run")
+    new = ServiceSpec("swap", f"{M}:tiny_service")
+    await node.send(Prepare(services=(new,), epoch=1))
+    await eventually(lambda: node.executor.catalog.get("swap").spec == new, what="the new spec")
+    gpu_models.GATE.set()
+    assert (await node.outcome("s0")).failure is None
+    await node.call("s1", "swap", [1.0] * 4)
+    assert (await node.outcome("s1")).output == direct(gpu_models.tiny_service, [1.0] * 4)
+
+
 async def test_a_dispatch_carrying_an_unprepared_spec_prepares_it_first(node: Node):
     spec = ServiceSpec("late", f"{M}:tiny_service")
     await node.send(infer("l", "late", [1.0] * 4, spec=spec))
