@@ -132,7 +132,7 @@ class Scheduler(Service):
             ended = await store.fence(self.pool, self.session)
             if ended:
                 log.warning("ended %d Postgres sessions of a previous scheduler", ended)
-        self.epoch = await store.next_epoch(self.pool)
+        self.epoch = await store.take_lead(self.pool)
         self.core.restore_services(await gpu_shell.load_services(self.pool))
         await self._rebuild()
         for writer, name in ((self.starts, "started-writer"), (self.records, "record-writer")):
@@ -191,7 +191,7 @@ class Scheduler(Service):
 
     async def _write(self, conn: db.Held, batch: Sequence[store.Record]) -> list[None]:
         now = self.clock()
-        return await conn.run(lambda c: store.write(c, batch, now))
+        return await conn.run(lambda c: store.write(c, batch, now, self.epoch))
 
     # ------------------------------------------------------------------ handlers
 

@@ -1,5 +1,13 @@
 """The scheduler's SQL: transitions (one transaction per batch, attempt-guarded), environment
-records, the epoch, and the rebuild of its books after a restart."""
+records, the epoch, and the rebuild of its books after a restart.
+
+Every write is fenced by the scheduler's epoch: its statement locks the one row of
+``scheduler_leader`` (FOR KEY SHARE) where the epoch is this scheduler's, and changes nothing
+when it is not. A scheduler taking over updates that row under FOR UPDATE, which waits for the
+writes in flight and makes every later write of the one it replaced see the new epoch (a row
+lock re-reads the newest version under READ COMMITTED). So a replaced scheduler that is still
+alive cannot change the books after the new one read them; it finds out on its next write
+(:class:`Deposed`) and stops."""
 
 from __future__ import annotations
 
@@ -12,15 +20,17 @@ from services.scheduler.core.books import EnvPlacement
 from services.scheduler.core.effects import EnvChanged, Finish, StartOnNode
 from tangram.contract import UnifiedAction, codec, encode
 
-_STARTED = """
-WITH t AS (
+_LEAD = "lead AS (SELECT 1 FROM scheduler_leader WHERE id = 1 AND epoch = $%d FOR KEY SHARE)"
+
+_STARTED = f"""
+WITH {_LEAD % 7}, t AS (
     SELECT * FROM unnest($1::text[], $2::int[], $3::text[], $4::text[], $5::text[],
                          $6::float8[]) AS t(action_id, attempt, node_id, incarnation, cores, at)
 ), up AS (
     UPDATE actions a SET status = 'running', attempt = t.attempt, node_id = t.node_id,
         incarnation = t.incarnation, cores = t.cores::int[], started_at = t.at,
         updated_at = now()
-    FROM t WHERE a.action_id = t.action_id AND a.status IN ('queued', 'running')
+    FROM t, lead WHERE a.action_id = t.action_id AND a.status IN ('queued', 'running')
         AND a.attempt < t.attempt
     RETURNING a.action_id
 )
@@ -29,15 +39,15 @@ SELECT t.action_id, t.attempt, 'running', t.node_id, t.at FROM t JOIN up USING (
 ON CONFLICT DO NOTHING
 """
 
-_FINISHED = """
-WITH t AS (
+_FINISHED = f"""
+WITH {_LEAD % 9}, t AS (
     SELECT * FROM unnest($1::text[], $2::int[], $3::text[], $4::bytea[], $5::text[],
                          $6::int[], $7::float8[], $8::text[])
         AS t(action_id, attempt, status, result, error_kind, exit_code, at, node_id)
 ), up AS (
     UPDATE actions a SET status = t.status, result = t.result, error_kind = t.error_kind,
         exit_code = t.exit_code, finished_at = t.at, attempt = t.attempt, updated_at = now()
-    FROM t WHERE a.action_id = t.action_id AND a.status IN ('queued', 'running')
+    FROM t, lead WHERE a.action_id = t.action_id AND a.status IN ('queued', 'running')
     RETURNING a.action_id
 )
 INSERT INTO action_events (action_id, attempt, status, node_id, detail, at)
@@ -46,11 +56,12 @@ FROM t JOIN up USING (action_id)
 ON CONFLICT DO NOTHING
 """
 
-_ENVS = """
+_ENVS = f"""
+WITH {_LEAD % 9}
 INSERT INTO envs (trajectory_id, job_id, node_id, incarnation, memory_mb, status, reason,
                   created_at)
-SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int[], $6::text[],
-                     $7::text[], $8::float8[])
+SELECT t.* FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int[], $6::text[],
+                       $7::text[], $8::float8[]) AS t, lead
 ON CONFLICT (trajectory_id) DO UPDATE SET job_id = excluded.job_id,
     node_id = excluded.node_id, incarnation = excluded.incarnation,
     memory_mb = excluded.memory_mb, status = excluded.status, reason = excluded.reason,
@@ -106,26 +117,50 @@ def _env_columns(rows: Sequence[EnvChanged], now: float) -> list[list[object]]:
     ]
 
 
-async def write(conn: asyncpg.Connection, records: Sequence[Record], now: float) -> list[None]:
+class Deposed(Exception):
+    """Another scheduler took over (a newer epoch leads): this one must stop writing."""
+
+
+async def write(
+    conn: asyncpg.Connection, records: Sequence[Record], now: float, epoch: int
+) -> list[None]:
     """Apply a batch of records atomically, starts before finishes: one statement (one
-    transaction, no BEGIN/COMMIT round trips) unless the batch mixes kinds."""
+    transaction, no BEGIN/COMMIT round trips) unless the batch mixes kinds. Raises
+    :class:`Deposed`, having changed nothing, when ``epoch`` no longer leads."""
     started = [r for r in records if isinstance(r, Started)]
     finished = [r for r in records if isinstance(r, Finish)]
     envs = [r for r in records if isinstance(r, EnvChanged)]
-    statements: list[tuple[str, list[list[object]]]] = []
+    statements: list[tuple[str, list[object], int]] = []
     if envs:
-        statements.append((_ENVS, _env_columns(envs, now)))
+        columns = _env_columns(envs, now)
+        statements.append((_ENVS, [*columns, epoch], len(columns[0])))
     if started:
-        statements.append((_STARTED, _started_columns(started)))
+        statements.append((_STARTED, [*_started_columns(started), epoch], len(started)))
     if finished:
-        statements.append((_FINISHED, _finished_columns(finished)))
+        statements.append((_FINISHED, [*_finished_columns(finished), epoch], len(finished)))
     if len(statements) == 1:
-        await conn.execute(statements[0][0], *statements[0][1])
+        sql, args, rows = statements[0]
+        short = _count(await conn.execute(sql, *args)) < rows
     else:
         async with conn.transaction():
-            for sql, columns in statements:
-                await conn.execute(sql, *columns)
+            short = False
+            for sql, args, rows in statements:
+                short = _count(await conn.execute(sql, *args)) < rows or short
+    if short:  # rows the guards skipped (already terminal, an older attempt) or a lost lead
+        await check_lead(conn, epoch)
     return [None] * len(records)
+
+
+def _count(status: str) -> int:
+    """The row count of a command status such as ``INSERT 0 3``."""
+    return int(status.rsplit(" ", 1)[-1])
+
+
+async def check_lead(conn: asyncpg.Connection | asyncpg.Pool, epoch: int) -> None:
+    """Raise :class:`Deposed` when ``epoch`` is not the leading one."""
+    leading = int(await conn.fetchval("SELECT epoch FROM scheduler_leader WHERE id = 1"))
+    if leading != epoch:
+        raise Deposed(f"scheduler epoch {epoch} was replaced by epoch {leading}")
 
 
 SESSIONS = "tangram-scheduler"  # the prefix of every scheduler's Postgres session names
@@ -141,12 +176,21 @@ async def fence(pool: asyncpg.Pool, own_name: str) -> int:
     """End the Postgres sessions of every other scheduler: a write a killed scheduler left
     waiting is cut off (rolled back) before this scheduler reads its books, so it cannot
     commit later over what the new one decides. (A deposed scheduler that is still alive
-    would retry on a new session: epochs do not fence Postgres writes yet.)"""
+    is fenced by the epoch instead: see :func:`take_lead`.)"""
     return int(await pool.fetchval(_FENCE, SESSIONS, own_name))
 
 
-async def next_epoch(pool: asyncpg.Pool) -> int:
-    return int(await pool.fetchval("SELECT nextval('scheduler_epoch')"))
+async def take_lead(pool: asyncpg.Pool) -> int:
+    """A new epoch that leads from now on. Waits for the writes in flight of the scheduler it
+    replaces (they hold the row); every later write of that one changes nothing."""
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.execute("SELECT epoch FROM scheduler_leader WHERE id = 1 FOR UPDATE")
+        return int(
+            await conn.fetchval(
+                "UPDATE scheduler_leader SET epoch = nextval('scheduler_epoch') WHERE id = 1"
+                " RETURNING epoch"
+            )
+        )
 
 
 @dataclass(frozen=True, slots=True)
