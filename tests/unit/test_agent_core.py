@@ -246,7 +246,8 @@ def test_a_pipelined_dispatch_waits_for_its_cores_and_starts_without_a_round_tri
     assert runs(core.command(dispatch("a", (0, 1)), (), 0.0)) == ["a"]
     assert core.command(pipelined("b", ("a",)), (), 0.1) == []  # waits behind a
     assert core.command(pipelined("c", ("a",), (1,)), (), 0.1) == []
-    assert {r.action_id for r in report(core.heartbeat((), 0.2)).running} == {"a", "b", "c"}
+    reported = report(core.heartbeat((), 0.2)).running
+    assert [(r.action_id, r.waiting) for r in reported] == [("a", False), ("b", True), ("c", True)]
     assert core.progress.started == 1
     ended = core.finished("a", ok(), 0.3)
     assert runs(ended) == ["b", "c"]  # both start the moment a ends, in arrival order

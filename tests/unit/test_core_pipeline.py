@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import msgspec
+
+from services.scheduler.core.books import EnvPlacement
 from services.scheduler.core.effects import Effect, StartOnNode
 from services.scheduler.core.pipeline import Holder, fixed_cores, plan
 from services.scheduler.core.scheduler import CoreConfig, SchedulerCore
 from services.scheduler.policies.elastic import ElasticPolicy
-from tangram.contract import ActionSpec, Demand, ExecAction, UnifiedAction
+from tangram.contract import ActionSpec, Demand, ExecAction, RunningAction, UnifiedAction
 
 from . import core_kit as kit
 
@@ -129,3 +132,26 @@ def test_deeper_pipelines_chain_grants_behind_the_last_one_on_each_core():
     assert (node.free, node.next) == (set(), {0: ["a3"]})
     (a4,) = starts(core.schedule(0.3))
     assert a4.after == ("a3",)
+
+
+def test_a_restarted_scheduler_rebuilds_who_is_next_on_each_core_from_the_report():
+    """Its books come from Postgres (both runs 'running' on core 0); the node's first report
+    says which one waits: when the holder ends, the core passes to it, not to the free pool."""
+    core = SchedulerCore(ElasticPolicy(), CoreConfig(pipeline=True, pipeline_depth=1))
+    holder, waiter = kit.action("h", "t"), kit.action("w", "t")
+    holder, waiter = (msgspec.structs.replace(a, attempt=1) for a in (holder, waiter))
+    core.restore_env(EnvPlacement("t", "j", "n0", "i0", 100))
+    for a in (holder, waiter):
+        core.restore_running(a, "n0", "i0", (0,), 0.0)
+    running = (
+        RunningAction(action_id="h", attempt=1, trajectory_id="t", cores=(0,)),
+        RunningAction(action_id="w", attempt=1, trajectory_id="t", cores=(0,), waiting=True),
+    )
+    core.node_report(kit.report(cores=1, running=running), 0.0)
+    node = core.nodes["n0"]
+    assert node.next == {0: ["w"]}
+    core.complete(kit.done(StartOnNode("n0", holder, (0,), "i0")), 1.0)
+    assert (node.free, node.next) == (set(), {})  # w runs on core 0 now
+    core.enqueue(kit.action("x", "t"), 1.0)
+    (x,) = starts(core.schedule(1.1))
+    assert (x.cores, x.after) == ((0,), ("w",))  # behind w, never beside it

@@ -62,6 +62,7 @@ class AgentConfig:
     env_ttl_s: float = 3600.0  # an environment idle longer than this is removed
     resend_s: float = 1.0  # an unacknowledged completion is sent again this often
     completion_budget: int = COMPLETION_BUDGET  # encoded bytes a completion may take
+    completions_in_flight: int = 2  # completion batches awaiting the scheduler's ack at once
     # The shell's bounds (see shell.Agent.on_stop for the order they are spent in).
     completion_timeout_s: float = 5.0
     leave_timeout_s: float = 2.0
@@ -208,7 +209,11 @@ class AgentCore:
     def _running(self) -> tuple[RunningAction, ...]:
         running = [
             RunningAction(
-                action_id=aid, attempt=a.attempt, trajectory_id=a.trajectory_id, cores=a.units
+                action_id=aid,
+                attempt=a.attempt,
+                trajectory_id=a.trajectory_id,
+                cores=a.units,
+                waiting=aid in self.waiting,
             )
             for aid, a in self.active.items()
         ]

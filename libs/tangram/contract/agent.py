@@ -63,6 +63,10 @@ class RunningAction(_Msg):
     attempt: int
     trajectory_id: str
     cores: tuple[int, ...]
+    # a pipelined dispatch that has not started (see ``Dispatch.after``); a report lists the
+    # waiting ones in the order they will start, which lets a restarted scheduler rebuild
+    # who holds each core and who is next
+    waiting: bool = False
 
 
 class Outcome(_Msg):

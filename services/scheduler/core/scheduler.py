@@ -223,6 +223,7 @@ class SchedulerCore:
         if node is None:
             node = self._add_node(report, now)
             effects += self._drop_stale(node, now)
+            self._restore_chains(node, report)
         node.last_seen = now
         effects += self._reconcile(node, report, now)
         if node.gpu is not None:
@@ -262,6 +263,15 @@ class SchedulerCore:
                 del self.running[aid]
                 effects += self._finish(run.action, self._died(run, now, "node agent restarted"))
         return effects
+
+    def _restore_chains(self, node: Node, report: NodeReport) -> None:
+        """Who is next on each core (pipelining), from the first report of a node whose runs
+        were restored from Postgres: its waiting dispatches, in the order they will start."""
+        for r in report.running:
+            run = self.running.get(r.action_id)
+            if r.waiting and run is not None and run.incarnation == node.incarnation:
+                for core in r.cores:
+                    node.next.setdefault(core, []).append(r.action_id)
 
     def _died(self, run: Dispatched, now: float, why: str) -> ActionResult:
         return verdict(
