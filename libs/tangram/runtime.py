@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
@@ -99,9 +100,16 @@ class Service:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def run(self, stop: asyncio.Event, grace_s: float = 10.0) -> None:
+    async def run(
+        self,
+        stop: asyncio.Event,
+        grace_s: float = 10.0,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
         """Start, wait for ``stop`` (or a fatal task error), stop; re-raise the fatal error."""
         await self.start()
+        if on_started is not None:
+            on_started()
         waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.stopped.wait())]
         try:
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -131,7 +139,17 @@ async def serve_forever(service: Service, grace_s: float) -> None:
     """Run ``service`` until SIGTERM/SIGINT; re-raise its fatal error, if any."""
     stop = asyncio.Event()
     install_signals(stop)
-    await service.run(stop, grace_s)
+    await service.run(stop, grace_s, on_started=settle_heap)
+
+
+def settle_heap() -> None:
+    """Once a service process has started, what exists lives about as long as the process:
+    the cyclic collector stops walking it (``gc.freeze``). A full collection of a service's
+    heap (modules, torch, the books rebuilt from Postgres) takes 50-87 ms here; one during a
+    run would stall every action in flight. Now each walks only what was made since. (A
+    cycle among the frozen objects is never collected: start-up throws none away.)"""
+    gc.collect()
+    gc.freeze()
 
 
 async def run_service(name: str, build: Build, overrides: Overrides = None) -> None:

@@ -126,7 +126,7 @@ class Agent(Service):
         self._sends: set[asyncio.Task[None]] = set()
         self._prepares: set[asyncio.Task[None]] = set()
         self._outgoing: list[Completion] = []  # completions not sent yet, oldest first
-        self._delivery: asyncio.Task[None] | None = None  # the delivery loop, when it runs
+        self._deliveries: set[asyncio.Task[None]] = set()  # the delivery loops running
 
     @property
     def node_id(self) -> str:
@@ -236,18 +236,19 @@ class Agent(Service):
         return Outcome(failure=ErrorKind.INTERNAL, detail=detail, started_at=now, finished_at=now)
 
     def _coalesce(self, c: Completion) -> None:
-        """Queue a completion for the delivery loop (started on the next turn of the event
+        """Queue a completion for a delivery loop (started on the next turn of the event
         loop, so that completions of one turn go together)."""
-        if not self._outgoing and (self._delivery is None or self._delivery.done()):
+        if not self._outgoing and len(self._deliveries) < self.cfg.completions_in_flight:
             asyncio.get_running_loop().call_soon(self._send_outgoing)
         self._outgoing.append(c)
 
     def _send_outgoing(self) -> None:
-        """Start the delivery loop unless it runs: one batch in flight at a time, so while
-        the scheduler commits one batch's records the next batch gathers (group commit
-        across the hop; a lone completion on a quiet node leaves at once)."""
-        if self._outgoing and (self._delivery is None or self._delivery.done()):
-            self._delivery = self._own(self._deliver_all(), self._sends)
+        """Start a delivery loop unless ``completions_in_flight`` run: at most that many
+        batches in flight, so while the scheduler commits them the next batch gathers (group
+        commit across the hop), and a completion does not wait out a whole commit behind
+        another when a slot is free (a lone completion on a quiet node leaves at once)."""
+        if self._outgoing and len(self._deliveries) < self.cfg.completions_in_flight:
+            self._own(self._deliver_all(), self._sends, self._deliveries)
 
     async def _deliver_all(self) -> None:
         while self._outgoing:
@@ -298,11 +299,12 @@ class Agent(Service):
             log.info("leaving notice not acknowledged: %s", exc)
 
     def _own(
-        self, coro: Coroutine[Any, Any, None], into: set[asyncio.Task[None]]
+        self, coro: Coroutine[Any, Any, None], *into: set[asyncio.Task[None]]
     ) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
-        into.add(task)
-        task.add_done_callback(into.discard)
+        for owner in into:
+            owner.add(task)
+            task.add_done_callback(owner.discard)
         task.add_done_callback(_log_failure)
         return task
 
