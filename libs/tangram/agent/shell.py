@@ -238,7 +238,7 @@ class Agent(Service):
     def _coalesce(self, c: Completion) -> None:
         """Queue a completion for a delivery loop (started on the next turn of the event
         loop, so that completions of one turn go together)."""
-        if not self._outgoing and len(self._deliveries) < self.cfg.completions_in_flight:
+        if not self._outgoing and self._delivery_room():
             asyncio.get_running_loop().call_soon(self._send_outgoing)
         self._outgoing.append(c)
 
@@ -247,8 +247,15 @@ class Agent(Service):
         batches in flight, so while the scheduler commits them the next batch gathers (group
         commit across the hop), and a completion does not wait out a whole commit behind
         another when a slot is free (a lone completion on a quiet node leaves at once)."""
-        if self._outgoing and len(self._deliveries) < self.cfg.completions_in_flight:
+        if self._outgoing and self._delivery_room():
             self._own(self._deliver_all(), self._sends, self._deliveries)
+
+    def _delivery_room(self) -> bool:
+        """Whether another delivery loop may start. A loop that has ended counts for nothing
+        even before its done-callback leaves the set: counted, a completion queued in that gap
+        would start no loop and wait for ever (never sent, so never due for a resend)."""
+        running = sum(1 for task in self._deliveries if not task.done())
+        return running < self.cfg.completions_in_flight
 
     async def _deliver_all(self) -> None:
         while self._outgoing:
