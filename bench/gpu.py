@@ -34,12 +34,12 @@ from typing import Any
 import torch
 import uvloop
 
+from services.gpu_manager import examples
 from services.gpu_manager.batching import BatchFormer, Call, run_batch
 from services.gpu_manager.host_copy import HostCopy
 from tangram import ServiceSpec, ServiceState
 from tangram.client import Client
 from tangram.launcher import Mesh, MeshOptions
-from tests import gpu_models
 
 OUT = Path(__file__).parent / "results" / "gpu.json"
 THREADS = 1
@@ -72,7 +72,7 @@ def _timed_restore(copy: HostCopy, device: torch.device, arena: torch.Tensor | N
 
 def restore_bandwidth() -> dict[str, Any]:
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    model = gpu_models.transformer()
+    model = examples.transformer()
     copy = HostCopy(model)
     n = copy.nbytes
     arena = torch.zeros(n, dtype=torch.uint8, device=device)  # preallocated and touched
@@ -110,7 +110,7 @@ def _p50_us(fn: Callable[[], object], reps: int = 2000) -> float:
 
 
 def call_overhead() -> dict[str, float]:
-    resident = HostCopy(gpu_models.tiny_service()[0]).restore("cpu")
+    resident = HostCopy(examples.tiny_service()[0]).restore("cpu")
     payload = [0.1, 0.2, 0.3, 0.4]
     x = torch.tensor([payload])
     former = BatchFormer()
@@ -123,7 +123,7 @@ def call_overhead() -> dict[str, float]:
         former.submit(Call("c", "tiny", payload, 0.0))
         batch = former.take("tiny", 1)
         assert batch is not None
-        run_batch(resident.model, gpu_models.mlp_handle, batch)
+        run_batch(resident.model, examples.mlp_handle, batch)
 
     fwd, path = _p50_us(forward), _p50_us(handle_path)
     return {
@@ -135,14 +135,14 @@ def call_overhead() -> dict[str, float]:
 
 
 def calls_per_s(max_batch: int, n: int = 4000) -> float:
-    resident = HostCopy(gpu_models.tiny_service()[0]).restore("cpu")
+    resident = HostCopy(examples.tiny_service()[0]).restore("cpu")
     former = BatchFormer(capacity=n)
     for i in range(n):
         former.submit(Call(str(i), "tiny", [0.1 * (i % 7)] * 4, float(i)))
     t0 = time.perf_counter()
     done = 0
     while (batch := former.take("tiny", max_batch)) is not None:
-        done += len(run_batch(resident.model, gpu_models.mlp_handle, batch))
+        done += len(run_batch(resident.model, examples.mlp_handle, batch))
     return done / (time.perf_counter() - t0)
 
 

@@ -1,6 +1,6 @@
-"""Model factories for the gpu_manager tests and bench: the shared examples (importable by
-the demo and users' docs, in ``services.gpu_manager.examples``) plus factories that break the
-user contract on purpose. No weights are downloaded."""
+"""Model factories only the gpu_manager tests need: factories that break the user contract on
+purpose, or that let a test steer them (gates, recorded batch sizes). The models users, the demo
+and the bench share are in ``services.gpu_manager.examples``. No weights are downloaded."""
 
 from __future__ import annotations
 
@@ -8,49 +8,28 @@ import sys
 import threading
 from typing import Any
 
+import torch
 from torch import nn
 
-from services.gpu_manager.examples import (
-    LmConfig,
-    MlpConfig,
-    TiedLM,
-    lm_handle,
-    mlp,
-    mlp_handle,
-    mlp_service,
-    teacher_handle,
-    teacher_small,
-    tied_lm,
-    tied_lm_service,
-    tiny_service,
-    transformer,
-)
+from services.gpu_manager.examples import MlpConfig, mlp, mlp_handle
 
 __all__ = [
     "BATCH_SIZES",
+    "BLOCK",
+    "BLOCKED",
     "GATE",
+    "GROWN_BYTES",
     "NOT_CALLABLE",
     "WIDE",
-    "LmConfig",
-    "MlpConfig",
-    "TiedLM",
+    "blocked_service",
     "chatty_service",
     "exiting_service",
-    "lm_handle",
-    "mlp",
-    "mlp_handle",
-    "mlp_service",
+    "growing_service",
     "not_a_module",
     "picky_service",
     "raising_service",
     "single_value",
     "slow_service",
-    "teacher_handle",
-    "teacher_small",
-    "tied_lm",
-    "tied_lm_service",
-    "tiny_service",
-    "transformer",
     "uncallable_handle",
     "unencodable_service",
     "wide_a",
@@ -103,6 +82,33 @@ def _slow_handle(model: nn.Module, payloads: list[Any]) -> list[Any]:
     BATCH_SIZES.append(len(payloads))
     GATE.wait(10)
     return mlp_handle(model, payloads)
+
+
+GROWN_BYTES = 600_000  # what growing_service's handle adds to its model on its first call
+
+
+def _growing_handle(model: nn.Module, payloads: list[Any]) -> list[Any]:
+    if "cache" not in model._buffers:  # a cache built on first use: state prepare never saw
+        device = next(model.parameters()).device
+        model.register_buffer("cache", torch.zeros(GROWN_BYTES // 4, device=device))
+    return mlp_handle(model, payloads)
+
+
+def growing_service() -> tuple[nn.Module, Any]:
+    """A tiny model whose handle grows its state past what prepare measured."""
+    return mlp(), _growing_handle
+
+
+BLOCK = threading.Event()  # blocked_service's factory waits for it (set: no wait)
+BLOCK.set()
+BLOCKED: list[str] = []  # "returned" once blocked_service's factory returned
+
+
+def blocked_service() -> tuple[nn.Module, Any]:
+    """A factory stuck in its build until BLOCK is set (never, in another process)."""
+    BLOCK.wait()
+    BLOCKED.append("returned")
+    return mlp(), mlp_handle
 
 
 def slow_service() -> tuple[nn.Module, Any]:

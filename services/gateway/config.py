@@ -33,6 +33,12 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # The ceiling, whatever the rate: the open-action scans of the overload cliff (issue 13)
     # grow with the number of open rows.
     max_backlog: Annotated[int, msgspec.Meta(ge=1)] = 100_000
+    # How long a service registration waits for the scheduler's answer. The timeouts nest,
+    # each longer than the one it waits on, so the caller hears the innermost typed error (a
+    # factory stuck past TANGRAM_GPU_PREPARE_TIMEOUT_S, 90 s; a GPU node silent past
+    # TANGRAM_SCHEDULER_PREPARE_TIMEOUT_S, 120 s) and never this bare timeout: keep it above
+    # the scheduler's prepare timeout when raising that one.
+    register_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 150.0
 
     def bounds(self) -> Bounds:
         return Bounds(

@@ -18,9 +18,6 @@ from tangram.contract import (
 )
 from tangram.errors import InternalError
 
-# The scheduler answers a registration once every GPU node has prepared the service or failed
-# to (it waits up to its prepare_timeout_s, 120 s by default): wait a little longer than that.
-REGISTER_TIMEOUT_S = 150.0
 QUERY_TIMEOUT_S = 5.0
 
 _UPSERT = """
@@ -29,14 +26,16 @@ ON CONFLICT (name) DO UPDATE SET spec = excluded.spec, updated_at = now()
 """
 
 
-async def register(pool: asyncpg.Pool, bus: BaseBus, spec: ServiceSpec) -> Services:
+async def register(
+    pool: asyncpg.Pool, bus: BaseBus, spec: ServiceSpec, timeout_s: float
+) -> Services:
     """Validate, make durable, have the scheduler prepare it; its answer is the reply (an
-    error naming the factory's error when no GPU node could prepare it)."""
+    error naming the factory's error when no GPU node could prepare it). The scheduler answers
+    once every GPU node has prepared the service or failed to, within its own prepare timeout:
+    ``timeout_s`` (``GatewayConfig.register_timeout_s``) must be longer than that."""
     spec = checked_service(spec)  # decoding validated it already; a spec built here too
     await pool.execute(_UPSERT, spec.name, encode(spec))
-    reply = await bus.request(
-        subjects.SCHED_ACTIONS, ServiceCmd(spec=spec), timeout=REGISTER_TIMEOUT_S
-    )
+    reply = await bus.request(subjects.SCHED_ACTIONS, ServiceCmd(spec=spec), timeout=timeout_s)
     if not isinstance(reply, Services):
         raise InternalError(f"the scheduler answered a registration with {type(reply).__name__}")
     return reply

@@ -4,7 +4,8 @@
 GPU executor (lanes of calls, one batch per device at a time, torch in worker threads). Pure
 parts: ``services.py`` (the user contract: a factory returning ``(model, handle)``),
 ``catalog.py`` (prepared services and their reports), ``host_copy.py`` (the invariant host
-copy and its restore), ``devices.py`` (NVML GPUs or CPU stand-ins, buddy chunks),
-``residency.py`` (LRU eviction, one action per device), ``batching.py`` (coalescing calls),
-``outcomes.py`` (a call's facts, output capped). ``examples.py``: small models built in code.
+copy and its restore), ``devices.py`` (NVML GPUs or CPU stand-ins), ``residency.py`` (LRU
+eviction, one action per device, on the buddy chunks of ``tangram.chunks``), ``batching.py``
+(coalescing calls), ``outcomes.py`` (a call's facts, output capped). ``examples.py``: small
+models built in code, shared by the docs, the demo, the bench and the tests.
 """

@@ -9,7 +9,7 @@ a service it ``take``s up to ``max_batch`` of that service's calls (oldest first
 from __future__ import annotations
 
 import traceback
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -56,26 +56,33 @@ class Output:
 
 
 class BatchFormer:
-    """Per-service FIFO queues of pending calls, bounded in total."""
+    """Per-service FIFO queues of pending calls, bounded in total.
+
+    Each queue is an OrderedDict keyed by call id, so a call is cancelled in O(1) wherever it
+    waits (a kill, or its timeout) and the rest keep their order; ``_service`` finds its queue.
+    """
 
     def __init__(self, capacity: int = 10_000) -> None:
         self.capacity = capacity
-        self._queues: dict[str, deque[Call]] = {}
-        self._size = 0
+        self._queues: dict[str, OrderedDict[str, Call]] = {}
+        self._service: dict[str, str] = {}  # call id -> the service whose queue holds it
 
     def __len__(self) -> int:
-        return self._size
+        return len(self._service)
 
     def submit(self, call: Call) -> None:
-        """Queue a call; :class:`Busy` when the queue is full."""
-        if self._size >= self.capacity:
-            raise Busy(f"{self._size} calls already waiting")
-        self._queues.setdefault(call.service, deque()).append(call)
-        self._size += 1
+        """Queue a call; :class:`Busy` when the queue is full, :class:`InvalidRequest` when a
+        call of that id is pending already."""
+        if call.call_id in self._service:
+            raise InvalidRequest(f"call {call.call_id} is pending already")
+        if len(self._service) >= self.capacity:
+            raise Busy(f"{len(self._service)} calls already waiting")
+        self._queues.setdefault(call.service, OrderedDict())[call.call_id] = call
+        self._service[call.call_id] = call.service
 
     def waiting(self) -> list[str]:
         """Services with pending calls, the one whose oldest call is oldest first."""
-        return sorted(self._queues, key=lambda s: self._queues[s][0].arrived)
+        return sorted(self._queues, key=lambda s: next(iter(self._queues[s].values())).arrived)
 
     def pending(self, service: str) -> int:
         """How many calls of ``service`` wait."""
@@ -84,15 +91,14 @@ class BatchFormer:
 
     def cancel(self, call_id: str) -> Call | None:
         """Remove a pending call (None when it is not pending: running or unknown)."""
-        for service, queue in self._queues.items():
-            call = next((c for c in queue if c.call_id == call_id), None)
-            if call is not None:
-                queue.remove(call)
-                if not queue:
-                    del self._queues[service]
-                self._size -= 1
-                return call
-        return None
+        service = self._service.pop(call_id, None)
+        if service is None:
+            return None
+        queue = self._queues[service]
+        call = queue.pop(call_id)
+        if not queue:
+            del self._queues[service]
+        return call
 
     def take(self, service: str, max_batch: int) -> Batch | None:
         """Up to ``max_batch`` of ``service``'s oldest calls (None when it has none)."""
@@ -101,10 +107,11 @@ class BatchFormer:
         queue = self._queues.get(service)
         if not queue:
             return None
-        calls = tuple(queue.popleft() for _ in range(min(max_batch, len(queue))))
+        calls = tuple(queue.popitem(last=False)[1] for _ in range(min(max_batch, len(queue))))
         if not queue:
             del self._queues[service]
-        self._size -= len(calls)
+        for c in calls:
+            del self._service[c.call_id]
         return Batch(service, calls)
 
 

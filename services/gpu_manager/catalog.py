@@ -1,13 +1,17 @@
 """The services a GPU node prepared: each built once from its factory, its state kept as an
 invariant host copy, its device footprint measured; or the error its factory gave.
 
-:func:`prepare` is blocking (it imports and runs user code): the executor calls it in a worker
-thread. Whatever the factory does wrong becomes the entry's ``error``; it is never raised.
+:func:`prepare` is blocking (it imports and runs user code): the executor calls it through
+:func:`bounded_prepare`, in a thread of its own and bounded in time. Whatever the factory does
+wrong (a stuck factory included) becomes the entry's ``error``; it is never raised.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -24,17 +28,20 @@ MB = 1 << 20
 
 @dataclass(slots=True)
 class Prepared:
-    """A service ready to run (``copy`` and ``handle`` set) or failed (``error`` set)."""
+    """A service ready to run (``copy`` and ``handle`` set) or failed (``error`` set);
+    ``measured``: the most a run has shown one copy to hold on a device (0: none yet)."""
 
     spec: ServiceSpec
     copy: HostCopy | None = None
     handle: Handle | None = None
     error: str = ""
+    measured: int = 0
 
     @property
     def nbytes(self) -> int:
-        """Device bytes one copy needs (the slab, alignment included)."""
-        return self.copy.nbytes if self.copy is not None else 0
+        """Device bytes one copy needs: its slab (alignment included), or what a run has
+        shown it to hold when that is more (re-measured)."""
+        return max(self.copy.nbytes if self.copy is not None else 0, self.measured)
 
 
 def prepare(spec: ServiceSpec, *, pin: bool | None = None) -> Prepared:
@@ -49,6 +56,39 @@ def prepare(spec: ServiceSpec, *, pin: bool | None = None) -> Prepared:
         log.warning("service %s: cannot keep a host copy", spec.name, exc_info=True)
         return Prepared(spec, error=f"service {spec.name}: cannot copy its state: {exc!r}")
     return Prepared(spec, copy, built.handle)
+
+
+async def bounded_prepare(spec: ServiceSpec, timeout_s: float) -> Prepared:
+    """``prepare`` in a thread of its own, its wait bounded by ``timeout_s`` (the
+    service failed, naming the timeout, when its factory has not returned by then).
+
+    A Python thread cannot be killed: a factory stuck in its import or build keeps its thread
+    until it returns, if ever. That thread is abandoned: a daemon (it never holds up the
+    process's exit), whose late result is dropped, so the service stays failed until its spec
+    changes. Each build has a fresh thread, so a stuck one never holds up the next.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Prepared] = loop.create_future()
+
+    def build() -> None:
+        entry = prepare(spec)
+        with contextlib.suppress(RuntimeError):  # the loop closed while it built
+            loop.call_soon_threadsafe(_settle, done, entry)
+
+    threading.Thread(target=build, name=f"gpu-build-{spec.name}", daemon=True).start()
+    try:
+        return await asyncio.wait_for(done, timeout_s)
+    except TimeoutError:
+        why = (
+            f"service {spec.name}: factory {spec.factory!r} did not return within the prepare "
+            f"timeout of {timeout_s:g}s (TANGRAM_GPU_PREPARE_TIMEOUT_S); abandoned"
+        )
+        return Prepared(spec, error=why)
+
+
+def _settle(fut: asyncio.Future[Prepared], entry: Prepared) -> None:
+    if not fut.done():  # else the wait timed out: the late entry is dropped
+        fut.set_result(entry)
 
 
 @dataclass(slots=True)

@@ -3,6 +3,12 @@
 ``TANGRAM_GPU_BACKEND`` picks the devices: ``auto`` (NVML GPUs usable by torch, else CPU
 stand-ins), ``nvml`` (GPUs or fail) or ``cpu``; ``TANGRAM_GPU_CPU_DEVICES`` and
 ``TANGRAM_GPU_CPU_BUDGET_MB`` shape the CPU stand-ins. A bad value fails at load, naming it.
+
+``TANGRAM_GPU_PREPARE_TIMEOUT_S`` bounds one service's import and build. The timeouts of a
+registration nest, each shorter than the one waiting on it, so the caller hears the innermost
+(the typed error naming the stuck factory) rather than a bare timeout: this one (90 s) <
+the scheduler's ``TANGRAM_SCHEDULER_PREPARE_TIMEOUT_S`` (120 s, its wait for every GPU node) <
+the gateway's ``TANGRAM_GATEWAY_REGISTER_TIMEOUT_S`` (150 s, its wait for the scheduler).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ class GpuManagerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     gpu_reserve_mb: Annotated[int, msgspec.Meta(ge=0)] = 1024  # CUDA context, allocator slack
     max_queued: Annotated[int, msgspec.Meta(ge=1)] = 10_000  # calls waiting for a device
     torch_threads: Annotated[int, msgspec.Meta(ge=0)] = 0  # per process; 0 = torch's default
+    # one service's import and build (see the module docstring for how the timeouts nest)
+    prepare_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 90.0
 
     def devices(self) -> DevicesConfig:
         return DevicesConfig(

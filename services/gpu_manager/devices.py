@@ -1,27 +1,24 @@
-"""Device inventory: NVML GPUs when present, else configured CPU stand-ins; buddy chunks.
+"""Device inventory: NVML GPUs when present, else configured CPU stand-ins.
 
 On a machine without a GPU the gpu_manager runs the same code on torch's CPU device: ``count``
 CPU "devices", each with its own memory budget, so restore, eviction and batching are exercised
-end to end. Devices are grouped into chunks by the buddy rule of §5.3 (Algorithm 4, the same
-sizes as ``CHUNK_SIZES`` in the scheduler's ``dparrange``): a chunk is ``[start, start + 2**a)``
-with ``start`` a multiple of ``2**a`` and ``a`` in 0..3.
+end to end. Devices are grouped into buddy chunks (§5.3, Algorithm 4) by ``tangram.chunks``,
+the rule the scheduler grants by.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
 
+from tangram.chunks import Chunk, root_chunks
 from tangram.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
-CHUNK_SIZES = (1, 2, 4, 8)  # = services.scheduler.policies.dparrange.CHUNK_SIZES (no import:
-# services never import each other; a test pins the two equal)
 MB = 1 << 20
 
 
@@ -42,55 +39,6 @@ class Device:
     name: str
     torch_device: str
     budget_bytes: int
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class Chunk:
-    """A legal buddy cell ``[start, start + size)`` of a node's devices."""
-
-    start: int
-    size: int
-
-    def __post_init__(self) -> None:
-        if self.size not in CHUNK_SIZES or self.start < 0 or self.start % self.size:
-            raise ValueError(f"illegal chunk start={self.start} size={self.size}")
-
-    @property
-    def level(self) -> int:
-        return self.size.bit_length() - 1
-
-    @property
-    def devices(self) -> range:
-        return range(self.start, self.start + self.size)
-
-    def halves(self) -> tuple[Chunk, Chunk]:
-        """The two buddies this chunk splits into."""
-        half = self.size // 2
-        return Chunk(self.start, half), Chunk(self.start + half, half)
-
-    def parent(self) -> Chunk | None:
-        """The chunk this one merges into with its buddy (None at the top level)."""
-        if self.size == CHUNK_SIZES[-1]:
-            return None
-        size = self.size * 2
-        return Chunk(self.start - self.start % size, size)
-
-
-def root_chunks(n: int) -> tuple[Chunk, ...]:
-    """The largest legal chunks that tile devices ``0..n-1`` (a node starts as these)."""
-    return tuple(_tile(0, n))
-
-
-def _tile(start: int, n: int) -> Iterator[Chunk]:
-    while n > 0:
-        size = max(s for s in CHUNK_SIZES if s <= n and start % s == 0)
-        yield Chunk(start, size)
-        start, n = start + size, n - size
-
-
-def free_counts(chunks: list[Chunk] | tuple[Chunk, ...]) -> tuple[int, ...]:
-    """Free chunks per size 1, 2, 4, 8: the state the scheduler's ``ChunkOperator`` takes."""
-    return tuple(sum(1 for c in chunks if c.size == s) for s in CHUNK_SIZES)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,10 @@ must be restored from its host copy. The scheduler sends calls of a service to a
 runs it (up to ``max_batch`` at a time): those that arrive while a batch runs form the next.
 Everything torch does runs in worker threads (one per device); the event loop only moves calls
 and results. Each variant's calls and batches are counted and reported in heartbeats.
+
+After every pass the service is re-measured by what it holds on the device (a handler may grow
+its state); a pass that left a CPU stand-in over its budget is that device's out of memory.
+Services are built one at a time, each bounded by ``prepare_timeout_s`` (``catalog``).
 """
 
 from __future__ import annotations
@@ -26,10 +30,10 @@ from services.gpu_manager import catalog, devices
 from services.gpu_manager.batching import Batch, BatchFormer, Call, Output, fault_of, run_batch
 from services.gpu_manager.catalog import Catalog, Prepared, Ran, variant
 from services.gpu_manager.config import GpuManagerConfig
-from services.gpu_manager.devices import Chunk
-from services.gpu_manager.host_copy import Resident
-from services.gpu_manager.outcomes import chunk_of, outcome_of, refused
+from services.gpu_manager.host_copy import Resident, held_bytes
+from services.gpu_manager.outcomes import outcome_of, refused
 from services.gpu_manager.residency import Grant, Residency, snapshot
+from tangram.chunks import Chunk, chunk_of
 from tangram.contract import (
     Dispatch,
     ErrorKind,
@@ -80,7 +84,6 @@ class GpuExecutor:
         self._ids = itertools.count()
         self._prep_lock = asyncio.Lock()
         self._runner: concurrent.futures.ThreadPoolExecutor | None = None
-        self._builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpu-build")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -115,17 +118,14 @@ class GpuExecutor:
             self._resolve(call_id, stopped)
         if self._runner is not None:
             self._runner.shutdown(wait=False, cancel_futures=True)
-        self._builder.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ services
 
     async def prepare(self, services: Sequence[ServiceSpec]) -> None:
-        """Build what is new or changed, one at a time, in the builder thread."""
+        """Build what is new or changed, one at a time, each bounded by the prepare timeout."""
         async with self._prep_lock:
             for spec in self.catalog.missing(list(services)):
-                loop = asyncio.get_running_loop()
-                entry = await loop.run_in_executor(self._builder, catalog.prepare, spec)
-                self._keep(entry)
+                self._keep(await catalog.bounded_prepare(spec, self.cfg.prepare_timeout_s))
 
     def _keep(self, entry: Prepared) -> None:
         if entry.error:
@@ -150,13 +150,12 @@ class GpuExecutor:
         lane = await self._lane(dispatch, action)
         if isinstance(lane, Outcome):
             return lane
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters[spec.action_id] = fut
         try:
             self.former.submit(Call(spec.action_id, lane.key, action.payload, self.clock()))
         except TangramError as exc:
-            del self._waiters[spec.action_id]
             return refused(exc.message, self.clock())
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters[spec.action_id] = fut
         self.lanes[lane.key] = lane
         self._pump()
         return await self._outcome(spec.action_id, fut, spec.timeout_s)
@@ -267,36 +266,59 @@ class GpuExecutor:
         for p in grant.evict:
             self.catalog.loaded.pop(p, None)  # no write-back: the host copy is invariant
         resident = self.catalog.loaded.get(grant.placement)
-        ok = True
         try:
-            restore_s, resident, outs = await loop.run_in_executor(
+            done = await loop.run_in_executor(
                 self._runner, self._work, grant, entry, resident, batch
             )
         except Exception as exc:  # the restore failed (out of memory, a lost device)
             log.warning("restore of %s failed", grant.placement, exc_info=True)
-            ok, restore_s = False, 0.0
-            outs = _restore_failed(batch, exc)
+            done = Pass(0.0, None, _restore_failed(batch, exc))
+        done = self._remeasured(grant, entry, done)
         # A spec replaced while this batch ran: its copy is not kept for the next call.
-        keep = ok and self.catalog.get(entry.spec.name) is entry
+        keep = done.resident is not None and self.catalog.get(entry.spec.name) is entry
         self.residency.release(grant.action_id, self.clock(), resident=keep)
-        if keep and resident is not None:
-            self.catalog.loaded[grant.placement] = resident
+        if keep and done.resident is not None:
+            self.catalog.loaded[grant.placement] = done.resident
         else:
             self.catalog.loaded.pop(grant.placement, None)
-        if ok:
+        if done.resident is not None:
             ran = self.ran.setdefault(grant.placement.service, Ran())
             ran.calls, ran.batches = ran.calls + len(batch.calls), ran.batches + 1
-        finished = self.clock()
-        for out in outs:
-            times = {"started": started, "finished": finished, "restore_s": restore_s}
+        times = {"started": started, "finished": self.clock(), "restore_s": done.restore_s}
+        for out in done.outs:
             self._resolve(out.call_id, outcome_of(out, entry.spec, **times))
         self._pump()
 
-    def _work(
-        self, grant: Grant, entry: Prepared, resident: Resident | None, batch: Batch
-    ) -> tuple[float, Resident, list[Output]]:
-        """In a worker thread: restore if not ``resident``, run the batch. Returns the restore
-        time and the copy on the device (the caller keeps it)."""
+    def _remeasured(self, grant: Grant, entry: Prepared, done: Pass) -> Pass:
+        """Re-measure the service by what the pass left on its device (reported from now on,
+        and what its next grants make room for). On CPU stand-ins, where nothing stops an
+        allocation past a device's budget, a pass that left the device over it is that
+        device's out of memory (CUDA raises its own): the outputs and the copy are dropped and
+        the calls fail ``device_oom``, which the scheduler retries once on a larger chunk."""
+        if done.resident is None or done.held <= entry.nbytes:
+            return done
+        log.warning(
+            "service %s holds %d bytes per device, not %d: re-measured",
+            grant.placement.service,
+            done.held,
+            entry.nbytes,
+        )
+        entry.measured = done.held
+        over = self.residency.remeasure(grant.placement, done.held)
+        if over == 0 or self.devices.kind != "cpu":
+            return done
+        devices = list(grant.placement.chunk.positions())
+        why = (
+            f"device out of memory: service {entry.spec.name} held {done.held} bytes on "
+            f"devices {devices} after its pass, {over} bytes over their budget "
+            f"(re-measured; it was {entry.copy.nbytes if entry.copy else 0} when prepared)"
+        )
+        oom = [Output(o.call_id, error=why, fault="oom") for o in done.outs]
+        return Pass(done.restore_s, None, oom, done.held)
+
+    def _work(self, grant: Grant, entry: Prepared, resident: Resident | None, batch: Batch) -> Pass:
+        """In a worker thread: restore if not ``resident``, run the batch, measure what the
+        service holds on the device after it. The caller keeps the copy."""
         assert entry.copy is not None, "a batch runs only for a prepared service"
         restore_s = 0.0
         if resident is None:
@@ -305,7 +327,29 @@ class GpuExecutor:
             resident = entry.copy.restore(device)
             _sync(resident.device)
             restore_s = time.perf_counter() - t0
-        return restore_s, resident, _isolated(resident.model, entry, batch)
+        cuda = resident.device.type == "cuda"
+        base = _peak_reset(resident.device) if cuda else 0
+        outs = _isolated(resident.model, entry, batch)
+        held = held_bytes(resident)
+        if cuda:  # pragma: no cover - needs a GPU: the pass's working memory at its peak
+            held += max(0, torch.cuda.max_memory_allocated(resident.device) - base)
+        return Pass(restore_s, resident, outs, held)
+
+
+@dataclass(frozen=True, slots=True)
+class Pass:
+    """What one forward pass gave: its outputs, the copy on the device (None: dropped, the
+    restore or the device failed), and the bytes it held there after the pass."""
+
+    restore_s: float
+    resident: Resident | None
+    outs: list[Output]
+    held: int = 0
+
+
+def _peak_reset(device: torch.device) -> int:  # pragma: no cover - needs a GPU
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
 
 
 def _isolated(model: torch.nn.Module, entry: Prepared, batch: Batch) -> list[Output]:

@@ -15,6 +15,7 @@ in-place ops) changes only the arena, so eviction just drops the arena — no wr
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -246,6 +247,20 @@ def _start_stream_copy(
         stream.synchronize()
 
     return wait
+
+
+def held_bytes(resident: Resident) -> int:
+    """Device bytes the resident model's state holds now: its arena, and any tensor its handler
+    has added to its parameters or buffers since (a cache built on first use), each once."""
+    arena = resident.arena.untyped_storage()
+    lo, size = arena.data_ptr(), arena.nbytes()
+    added: dict[int, int] = {}
+    for t in itertools.chain(resident.model.parameters(), resident.model.buffers()):
+        outside = not lo <= t.data_ptr() < lo + size  # not a view of the arena: the handler's
+        if outside and t.device == resident.device:
+            storage = t.untyped_storage()
+            added.setdefault(storage.data_ptr(), storage.nbytes())
+    return size + sum(added.values())
 
 
 def measure_headroom(

@@ -1,5 +1,5 @@
 """What a GPU node reports of one call (pure): the handler's output, capped, or whose failure
-it was; and the chunk a dispatch's GPU indices name."""
+it was."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Final
 import msgspec
 
 from services.gpu_manager.batching import Output
-from services.gpu_manager.devices import CHUNK_SIZES, Chunk
 from tangram.contract import ErrorKind, Outcome, ServiceSpec
 
 HINT: Final = "raise the service's max_output_bytes (up to 256 KiB) or return less"
@@ -51,13 +50,3 @@ def _failed(out: Output) -> Outcome:
 def refused(why: str, now: float) -> Outcome:
     """A call that cannot run here as dispatched (never reached a device)."""
     return Outcome(failure=ErrorKind.INVALID_REQUEST, detail=why, started_at=now, finished_at=now)
-
-
-def chunk_of(gpus: tuple[int, ...], n_devices: int) -> Chunk | None:
-    """The buddy chunk ``gpus`` names on a node of ``n_devices``, or None if it names none
-    (not contiguous, not a legal size or alignment, or past the last device)."""
-    if not gpus or len(gpus) not in CHUNK_SIZES or gpus[0] % len(gpus):
-        return None
-    if list(gpus) != list(range(gpus[0], gpus[0] + len(gpus))) or gpus[-1] >= n_devices:
-        return None
-    return Chunk(gpus[0], len(gpus))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.gpu_manager.devices import CHUNK_SIZES, Chunk, root_chunks
+from tangram.chunks import CHUNK_SIZES, Chunk, chunk_level, root_chunks
 from tangram.errors import InternalError, InvalidRequest
 
 
@@ -63,13 +63,13 @@ class ChunkPool:
 
     def take_exact(self, chunk: Chunk) -> bool:
         """Take exactly ``chunk`` (splitting the free chunk around it); False if not free."""
-        outer = next((c for c in self.free if _inside(chunk, c)), None)
+        outer = next((c for c in self.free if c.holds(chunk)), None)
         if outer is None:
             return False
         self.free.remove(outer)
         while outer != chunk:
             lo, hi = outer.halves()
-            outer, other = (lo, hi) if _inside(chunk, lo) else (hi, lo)
+            outer, other = (lo, hi) if lo.holds(chunk) else (hi, lo)
             self.free.add(other)
         return True
 
@@ -85,15 +85,12 @@ class ChunkPool:
         self.free.add(chunk)
 
 
-def _inside(inner: Chunk, outer: Chunk) -> bool:
-    return outer.start <= inner.start and inner.start + inner.size <= outer.start + outer.size
-
-
 def units_level(units: int) -> int:
-    """The chunk level serving ``units`` devices (2**(a-1) < units ≤ 2**a), as in dparrange."""
-    if not 1 <= units <= CHUNK_SIZES[-1]:
-        raise InvalidRequest(f"a GPU request must be 1..{CHUNK_SIZES[-1]} units, got {units}")
-    return (units - 1).bit_length()
+    """The chunk level serving ``units`` devices (2**(a-1) < units ≤ 2**a)."""
+    try:
+        return chunk_level(units)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
 
 
 @dataclass
@@ -112,7 +109,7 @@ class Residency:
 
     def used(self, device: int) -> int:
         """Bytes held on ``device`` by resident services."""
-        return sum(c.nbytes for p, c in self.cached.items() if device in p.chunk.devices)
+        return sum(c.nbytes for p, c in self.cached.items() if device in p.chunk.positions())
 
     def resident(self, service: str) -> list[Chunk]:
         """The chunks where ``service`` is resident."""
@@ -133,18 +130,21 @@ class Residency:
         if got is None:
             return None
         placement = Placement(service, got)
-        evict = () if placement in self.cached else self._make_room(got, nbytes, placement)
-        restore = placement not in self.cached
+        held = self.cached.get(placement)
+        # a copy cached before the service was re-measured grows in place: room for the rest
+        grow = nbytes if held is None else nbytes - held.nbytes
+        evict = self._make_room(got, grow, placement) if grow > 0 else ()
+        restore = held is None
         self._touch(placement, nbytes, now)
         grant = Grant(action_id, placement, evict, restore)
         self.running[action_id] = grant
-        self.busy.update(dict.fromkeys(got.devices, action_id))
+        self.busy.update(dict.fromkeys(got.positions(), action_id))
         return grant
 
     def release(self, action_id: str, now: float, *, resident: bool = True) -> Grant:
         """End an action; ``resident=False`` when its restore failed (nothing stays cached)."""
         grant = self.running.pop(action_id)
-        for d in grant.placement.chunk.devices:
+        for d in grant.placement.chunk.positions():
             del self.busy[d]
         self.pool.give(grant.placement.chunk)
         if resident:
@@ -152,6 +152,14 @@ class Residency:
         else:
             self.cached.pop(grant.placement, None)
         return grant
+
+    def remeasure(self, placement: Placement, nbytes: int) -> int:
+        """Record that ``placement`` holds ``nbytes`` on each of its devices (a run showed it:
+        it only grows); returns by how many bytes the fullest of them is over its budget now
+        (0: none is)."""
+        entry = self.cached[placement]
+        entry.nbytes = max(entry.nbytes, nbytes)
+        return max(0, *(self.used(d) - self.budgets[d] for d in placement.chunk.positions()))
 
     def _check(self, action_id: str, units: int, nbytes: int, chunk: Chunk | None) -> None:
         if action_id in self.running:
@@ -169,7 +177,7 @@ class Residency:
             got = chunk if self.pool.take_exact(chunk) else None
         else:
             got = self.pool.take(level, self._preference(service, CHUNK_SIZES[level], nbytes))
-        if got is not None and nbytes > min(self.budgets[d] for d in got.devices):
+        if got is not None and nbytes > min(self.budgets[d] for d in got.positions()):
             self.pool.give(got)
             raise InvalidRequest(f"{nbytes} bytes per device exceed the budget of {got}")
         return got
@@ -181,20 +189,20 @@ class Residency:
 
         def key(c: Chunk) -> tuple[float, ...]:
             caching = sum(1 for p in self.cached if p.service == service and _fits(p, c, size))
-            room = min(self.budgets[d] - self.used(d) for d in c.devices)
+            room = min(self.budgets[d] - self.used(d) for d in c.positions())
             return (caching, room >= nbytes, room, -c.start)
 
         return key
 
     def _make_room(self, chunk: Chunk, nbytes: int, target: Placement) -> tuple[Placement, ...]:
         evicted: list[Placement] = []
-        for d in chunk.devices:
+        for d in chunk.positions():
             while self.used(d) + nbytes > self.budgets[d]:
                 victim = min(
-                    (p for p in self.cached if d in p.chunk.devices),
+                    (p for p in self.cached if d in p.chunk.positions() and p != target),
                     key=lambda p: (self.cached[p].last_used, self.cached[p].seq),
                 )
-                if victim == target or any(g.placement == victim for g in self.running.values()):
+                if any(g.placement == victim for g in self.running.values()):
                     raise InternalError(f"cannot evict {victim}: it is in use")
                 del self.cached[victim]
                 evicted.append(victim)
@@ -207,10 +215,11 @@ class Residency:
             self.cached[placement] = Cached(nbytes, now, self._seq)
         else:
             entry.last_used, entry.seq = now, self._seq
+            entry.nbytes = max(entry.nbytes, nbytes)
 
 
 def _fits(p: Placement, c: Chunk, size: int) -> bool:
-    return p.chunk.size == size and _inside(p.chunk, c)
+    return p.chunk.size == size and c.holds(p.chunk)
 
 
 def snapshot(r: Residency) -> dict[str, list[tuple[int, int]]]:

@@ -23,9 +23,12 @@ on whatever device the model is on and returns one output per payload, in order.
 
 The handle receives a batch (dynamic batching coalesces concurrent calls) and runs under
 ``torch.inference_mode()``; outputs must be msgpack-able values. The model's state must live in
-parameters and buffers (plain tensor attributes are not moved). The factory runs once per
-gpu_manager and should not touch a GPU itself. Whatever goes wrong while importing or building
-becomes :class:`InvalidRequest` naming the problem; it never takes the process down.
+parameters and buffers (plain tensor attributes are not moved); a buffer the handle adds (a
+cache built on first use) counts in the service's measured footprint from its first pass on.
+The factory runs once per gpu_manager and should not touch a GPU itself. Whatever goes wrong
+while importing or building becomes :class:`InvalidRequest` naming the problem, and so does a
+factory that has not returned within ``TANGRAM_GPU_PREPARE_TIMEOUT_S``; it never takes the
+process down.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ gpu_manager mid-call (re-queued, or node_died)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import os
 import sys
@@ -57,19 +58,21 @@ CODE = textwrap.dedent(
 )
 
 
-@pytest.fixture
-async def mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
+@contextlib.asynccontextmanager
+async def user_mesh(
+    tmp_path: Path, module: str, code: str, env: dict[str, str]
+) -> AsyncIterator[Mesh]:
+    """A whole mesh whose gpu_manager (CPU devices, ``env`` over the defaults) has the user
+    module ``module`` (source ``code``) on its PYTHONPATH, as this test process has."""
     user = tmp_path / "user"
     user.mkdir()
-    (user / f"{MODULE}.py").write_text(CODE)
+    (user / f"{module}.py").write_text(code)
     env = {
         "PYTHONPATH": os.pathsep.join([str(user), os.environ.get("PYTHONPATH", "")]),
         "TANGRAM_GPU_BACKEND": "cpu",
-        "TANGRAM_GPU_CPU_DEVICES": "1",
-        "TANGRAM_GPU_CPU_BUDGET_MB": "1",  # judge and rival never fit together
         "TANGRAM_GPU_HEARTBEAT_S": "0.5",
         "TANGRAM_GPU_TORCH_THREADS": "1",
-        "STUCK_MARKER": str(tmp_path / "stuck"),
+        **env,
     }
     sys.path.insert(0, str(user))
     try:
@@ -77,12 +80,24 @@ async def mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
             yield m
     finally:
         sys.path.remove(str(user))
-        sys.modules.pop(MODULE, None)
+        sys.modules.pop(module, None)
 
 
-def direct(name: str, x: list[float]) -> float:
-    model, handle = getattr(importlib.import_module(MODULE), name)()
+def direct(module: str, name: str, x: list[float]) -> float:
+    """The output of ``module.name``'s model called directly on ``x``."""
+    model, handle = getattr(importlib.import_module(module), name)()
     return float(handle(model, [x])[0])
+
+
+@pytest.fixture
+async def mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
+    env = {
+        "TANGRAM_GPU_CPU_DEVICES": "1",
+        "TANGRAM_GPU_CPU_BUDGET_MB": "1",  # judge and rival never fit together
+        "STUCK_MARKER": str(tmp_path / "stuck"),
+    }
+    async with user_mesh(tmp_path, MODULE, CODE, env) as m:
+        yield m
 
 
 async def test_infer_through_the_mesh_equals_the_model_also_after_eviction(mesh: Mesh, uid: str):
@@ -99,7 +114,7 @@ async def test_infer_through_the_mesh_equals_the_model_also_after_eviction(mesh:
         listed = {s.spec.name for s in await client.list_services()}
     assert [r.status for r in results] == ["succeeded"] * 4, results
     assert [r.output for r in results] == [
-        direct(n, x) for n in ("judge", "judge", "rival", "judge")
+        direct(MODULE, n, x) for n in ("judge", "judge", "rival", "judge")
     ]
     assert results[3].timings is not None
     assert results[3].timings.restore_s > 0  # rival evicted judge
@@ -129,7 +144,9 @@ async def test_concurrent_calls_to_a_resident_service_share_forward_passes(mesh:
         )
     assert [r.status for r in results] == ["succeeded"] * n, results
     # batched, a matmul may sum in another order than alone: equal to float32 rounding
-    assert [r.output for r in results] == pytest.approx([direct("paced", x) for x in xs], 1e-5)
+    assert [r.output for r in results] == pytest.approx(
+        [direct(MODULE, "paced", x) for x in xs], 1e-5
+    )
     assert all(r.allocation is not None and r.allocation.gpus == (0,) for r in results)
     assert state.batches < n  # n concurrent calls (and a warm one) in fewer passes than n
 

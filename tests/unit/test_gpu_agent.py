@@ -3,12 +3,14 @@ fake scheduler: registration, Prepare, calls, eviction and restore, batching, fa
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import torch
 
+from services.gpu_manager import examples
 from services.gpu_manager.batching import Output, fault_of
 from services.gpu_manager.config import GpuManagerConfig
 from services.gpu_manager.executor import GpuExecutor
@@ -39,6 +41,7 @@ from .. import gpu_models
 from ..support import eventually, unbatched
 
 M = "tests.gpu_models"
+EX = "services.gpu_manager.examples"
 
 
 class FakeScheduler:
@@ -112,23 +115,31 @@ def infer(
     return Dispatch(action=ua, epoch=1, incarnation=incarnation, gpus=gpus, service=spec)
 
 
-@pytest.fixture
-async def node() -> AsyncIterator[Node]:
+@contextlib.asynccontextmanager
+async def started(**cfg: Any) -> AsyncIterator[Node]:
+    """A GPU agent ``g0`` on CPU devices of 1 MB (``cfg`` overrides) and its fake scheduler."""
     broker = MemoryBroker()
     scheduler, sbus = FakeScheduler(), broker.connect("scheduler")
     sbus.serve(subjects.SCHED_NODES, scheduler.on_node, max_in_flight=100)
     await sbus.start()
     bus = broker.connect("agent")
-    cfg = GpuManagerConfig(node_id="g0", backend="cpu", cpu_budget_mb=1, heartbeat_s=0.05)
-    agent = node_agent(bus, cfg, incarnation="inc")
+    cfg = {"node_id": "g0", "backend": "cpu", "cpu_budget_mb": 1, "heartbeat_s": 0.05} | cfg
+    agent = node_agent(bus, GpuManagerConfig(**cfg), incarnation="inc")
     await agent.start()
     try:
         yield Node(agent, scheduler, sbus)
     finally:
         gpu_models.GATE.set()
+        gpu_models.BLOCK.set()
         await agent.stop(1.0)
         await bus.close()
         await sbus.close()
+
+
+@pytest.fixture
+async def node() -> AsyncIterator[Node]:
+    async with started() as n:
+        yield n
 
 
 def direct(factory: Any, payload: Any) -> Any:
@@ -145,7 +156,7 @@ async def test_registers_cpu_devices_with_measured_bandwidth(node: Node):
 
 
 async def test_prepare_reports_ready_and_failed_services_and_the_agent_lives_on(node: Node):
-    ok = ServiceSpec("ok", f"{M}:mlp_service", dops=(1, 2))
+    ok = ServiceSpec("ok", f"{EX}:mlp_service", dops=(1, 2))
     bad = ServiceSpec("bad", f"{M}:raising_service")
     gone = ServiceSpec("gone", "no_such_module_xyz:factory")
     await node.prepare(ok, bad, gone)
@@ -161,7 +172,23 @@ async def test_prepare_reports_ready_and_failed_services_and_the_agent_lives_on(
     assert out.failure is ErrorKind.INVALID_REQUEST
     assert "no such checkpoint" in out.detail
     await node.call("a2", "ok", [0.0] * 8)
-    assert (await node.outcome("a2")).output == direct(gpu_models.mlp_service, [0.0] * 8)
+    assert (await node.outcome("a2")).output == direct(examples.mlp_service, [0.0] * 8)
+
+
+async def test_a_factory_that_never_returns_fails_at_the_timeout_and_others_still_prepare():
+    gpu_models.BLOCK.clear()
+    async with started(prepare_timeout_s=0.3) as node:
+        stuck = ServiceSpec("stuck", f"{M}:blocked_service")
+        await node.prepare(stuck)  # answered: the report names the timeout
+        error = node.scheduler.service("stuck").error  # type: ignore[union-attr]
+        assert "did not return within the prepare timeout of 0.3s" in error
+        await node.prepare(ServiceSpec("ok", f"{EX}:mlp_service"))  # the stuck thread blocks on
+        await node.call("a", "ok", [0.0] * 8)
+        assert (await node.outcome("a")).exit_code == 0
+        gpu_models.BLOCK.set()  # the abandoned build returns now: its result is dropped
+        await eventually(lambda: gpu_models.BLOCKED == ["returned"], what="the late build")
+        await node.prepare(stuck)
+        assert node.executor.catalog.get("stuck").error == error  # type: ignore[union-attr]
 
 
 async def test_outputs_equal_the_model_called_directly_also_after_eviction(node: Node):
@@ -182,6 +209,33 @@ async def test_outputs_equal_the_model_called_directly_also_after_eviction(node:
     assert o4.restore_s > 0  # b evicted a: one device of 1 MB holds one of them
     await eventually(lambda: node.scheduler.service("a").resident == (0,), what="a resident")  # type: ignore[union-attr]
     assert node.scheduler.service("b").resident == ()  # type: ignore[union-attr]
+
+
+async def test_a_service_that_outgrows_its_device_is_re_measured_and_fits_once_room_is_made(
+    node: Node,
+):
+    await node.prepare(
+        ServiceSpec("a", f"{M}:wide_a"), ServiceSpec("grow", f"{M}:growing_service", dops=(1, 2))
+    )
+    prepared = node.executor.catalog.get("grow").nbytes  # type: ignore[union-attr]
+    await node.call("w", "a", [0.0] * 8)  # ~0.66 MB resident on device 0 (1 MB)
+    assert (await node.outcome("w")).exit_code == 0
+    await node.call("g1", "grow", [0.0] * 8)  # fits as measured; its pass adds 0.6 MB
+    oom = await node.outcome("g1")
+    assert oom.failure is ErrorKind.DEVICE_OOM, oom
+    assert "over their budget" in oom.detail
+    grown = node.executor.catalog.get("grow").nbytes  # type: ignore[union-attr]
+    assert grown >= prepared + gpu_models.GROWN_BYTES  # re-measured
+    assert node.executor.residency.resident("grow/1") == []  # its copy dropped
+    await node.call("g2", "grow", [0.0] * 8, gpus=(0, 1))  # the scheduler's retry: a larger chunk
+    ok = await node.outcome("g2")
+    assert ok.exit_code == 0, ok
+    assert ok.output == direct(examples.mlp_service, [0.0] * 8)
+    r = node.executor.residency
+    assert r.resident("a/1") == []  # evicted for the re-measured copy
+    assert all(r.used(d) <= r.budgets[d] for d in range(2))
+    await node.call("g3", "grow", [1.0] * 8, gpus=(1,))  # re-measured: room made at once
+    assert (await node.outcome("g3")).exit_code == 0
 
 
 async def test_concurrent_calls_are_coalesced_into_one_batch(node: Node):
@@ -258,7 +312,7 @@ async def test_bad_outputs_fail_clearly(node: Node, factory: str, kind: ErrorKin
     ],
 )
 async def test_bad_dispatches_are_refused_as_invalid(node: Node, dispatch: Dispatch, words: str):
-    await node.prepare(ServiceSpec("m", f"{M}:mlp_service"))
+    await node.prepare(ServiceSpec("m", f"{EX}:mlp_service"))
     await node.send(dispatch)
     out = await node.outcome(dispatch.action.spec.action_id)
     assert out.failure is ErrorKind.INVALID_REQUEST
@@ -270,19 +324,19 @@ async def test_a_service_replaced_while_a_batch_runs_serves_its_new_model_next(n
     gpu_models.GATE.clear()
     await node.call("s0", "swap", [0.0] * 8)
     await eventually(lambda: node.executor.residency.busy, what="s0 to run")
-    new = ServiceSpec("swap", f"{M}:tiny_service")
+    new = ServiceSpec("swap", f"{EX}:tiny_service")
     await node.send(Prepare(services=(new,), epoch=1))
     await eventually(lambda: node.executor.catalog.get("swap").spec == new, what="the new spec")
     gpu_models.GATE.set()
     assert (await node.outcome("s0")).failure is None
     await node.call("s1", "swap", [1.0] * 4)
-    assert (await node.outcome("s1")).output == direct(gpu_models.tiny_service, [1.0] * 4)
+    assert (await node.outcome("s1")).output == direct(examples.tiny_service, [1.0] * 4)
 
 
 async def test_a_dispatch_carrying_an_unprepared_spec_prepares_it_first(node: Node):
-    spec = ServiceSpec("late", f"{M}:tiny_service")
+    spec = ServiceSpec("late", f"{EX}:tiny_service")
     await node.send(infer("l", "late", [1.0] * 4, spec=spec))
-    assert (await node.outcome("l")).output == direct(gpu_models.tiny_service, [1.0] * 4)
+    assert (await node.outcome("l")).output == direct(examples.tiny_service, [1.0] * 4)
 
 
 @pytest.mark.parametrize(
@@ -300,7 +354,7 @@ def test_failures_are_told_apart(exc: BaseException, fault: str):
 
 
 def test_device_failures_map_to_their_kinds():
-    spec = ServiceSpec("s", f"{M}:mlp_service")
+    spec = ServiceSpec("s", f"{EX}:mlp_service")
     times = {"started": 1.0, "finished": 2.0, "restore_s": 0.0}
     oom = outcome_of(Output("a", error="oom", fault="oom"), spec, **times)
     lost = outcome_of(Output("a", error="gone", fault="device"), spec, **times)
@@ -320,7 +374,7 @@ async def test_a_call_runs_on_a_cuda_device():  # pragma: no cover - needs a GPU
     try:
         node = Node(agent, scheduler, sbus)
         assert node.executor.devices.kind == "cuda"
-        await node.prepare(ServiceSpec("m", f"{M}:mlp_service"))
+        await node.prepare(ServiceSpec("m", f"{EX}:mlp_service"))
         await node.call("c", "m", [0.0] * 8)
         out = await node.outcome("c")
         assert out.exit_code == 0

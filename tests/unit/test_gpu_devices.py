@@ -1,4 +1,4 @@
-"""Device inventory and buddy chunks."""
+"""Device inventory and the buddy chunks (``tangram.chunks``) both sides share."""
 
 from __future__ import annotations
 
@@ -9,22 +9,23 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.gpu_manager.devices import (
+from services.gpu_manager.devices import MB, DevicesConfig, cpu_inventory, discover
+from services.scheduler.core import gpu
+from services.scheduler.policies import dparrange
+from tangram.chunks import (
     CHUNK_SIZES,
-    MB,
     Chunk,
-    DevicesConfig,
-    cpu_inventory,
-    discover,
-    free_counts,
+    chunk_counts,
+    chunk_of,
+    free_chunks,
     root_chunks,
 )
-from services.scheduler.policies import dparrange
 from tangram.errors import Unavailable
 
 
-def test_chunk_sizes_match_the_schedulers() -> None:
-    assert CHUNK_SIZES == dparrange.CHUNK_SIZES
+def test_the_scheduler_and_the_agent_share_one_chunk_geometry() -> None:
+    assert dparrange.CHUNK_SIZES is CHUNK_SIZES
+    assert (gpu.Chunk, gpu.free_chunks, gpu.chunk_counts) == (Chunk, free_chunks, chunk_counts)
 
 
 @pytest.mark.parametrize(("start", "size"), [(1, 2), (2, 4), (0, 3), (0, 16), (-2, 2)])
@@ -36,7 +37,7 @@ def test_illegal_chunks_are_refused(start: int, size: int) -> None:
 @given(st.integers(1, 40))
 def test_roots_tile_the_node_with_legal_maximal_chunks(n: int) -> None:
     roots = root_chunks(n)
-    assert [d for c in roots for d in c.devices] == list(range(n))
+    assert [d for c in roots for d in c.positions()] == list(range(n))
     for a, b in itertools.pairwise(roots):  # maximal: no two roots are buddies
         assert a.size != b.size or a.parent() is None or a.parent() != b.parent()
 
@@ -49,10 +50,29 @@ def test_split_and_parent_are_buddies() -> None:
     assert Chunk(6, 2).level == 1
 
 
-def test_free_counts_are_the_chunk_operator_state() -> None:
-    assert free_counts(root_chunks(8)) == (0, 0, 0, 1)
-    assert free_counts(root_chunks(7)) == (1, 1, 1, 0)
-    dparrange.ChunkOperator(free_counts(root_chunks(7)))  # accepted as is
+def test_chunk_counts_are_the_chunk_operator_state() -> None:
+    assert chunk_counts(root_chunks(8)) == (0, 0, 0, 1)
+    assert chunk_counts(root_chunks(7)) == (1, 1, 1, 0)
+    dparrange.ChunkOperator(chunk_counts(root_chunks(7)))  # accepted as is
+
+
+@pytest.mark.parametrize(
+    ("gpus", "chunk"),
+    [
+        ((0,), Chunk(0, 1)),
+        ((2, 3), Chunk(2, 2)),
+        ((0, 1, 2, 3), Chunk(0, 4)),
+        ((4, 5, 6, 7), None),  # past the last of 6 GPUs
+        ((1, 2), None),  # misaligned
+        ((0, 2), None),  # not contiguous
+        ((0, 1, 2), None),  # not a chunk size
+        ((6, 7), None),  # past the last of 6 GPUs
+        ((-2, -1), None),
+        ((), None),
+    ],
+)
+def test_chunk_of_names_only_legal_chunks(gpus: tuple[int, ...], chunk: Chunk | None) -> None:
+    assert chunk_of(gpus, 6) == chunk
 
 
 def test_cpu_inventory_from_config() -> None:

@@ -7,14 +7,15 @@ import itertools
 import pytest
 import torch
 
+from services.gpu_manager import examples
 from services.gpu_manager.host_copy import (
     ALIGN,
     OVERLAP_BYTES,
     HostCopy,
     copy_chunked,
+    held_bytes,
     measure_headroom,
 )
-from tests import gpu_models
 
 TOKENS = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
 
@@ -25,7 +26,7 @@ def _outputs(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_mlp_restore_is_bit_exact() -> None:
-    model = gpu_models.mlp()
+    model = examples.mlp()
     x = torch.randn(5, 8)
     ref = _outputs(model, x)
     resident = HostCopy(model).restore("cpu")
@@ -33,19 +34,19 @@ def test_mlp_restore_is_bit_exact() -> None:
 
 
 def test_ties_buffers_and_dtypes_survive() -> None:
-    model = gpu_models.tied_lm()
+    model = examples.tied_lm()
     ref = _outputs(model, TOKENS)
     copy = HostCopy(model)
     assert set(copy.layout.regions) == {torch.float32, torch.float16, torch.int64}
     restored = copy.restore("cpu").model
-    assert isinstance(restored, gpu_models.TiedLM)
+    assert isinstance(restored, examples.TiedLM)
     assert restored.head.weight is restored.emb.weight
     assert not restored.training
     assert torch.equal(_outputs(restored, TOKENS), ref)
 
 
 def test_capture_frees_the_model_and_keeps_one_entry_per_tie() -> None:
-    model = gpu_models.tied_lm()
+    model = examples.tied_lm()
     copy = HostCopy(model)
     assert all(t.device.type == "meta" for t in model.state_dict().values())
     names = [e.name for e in copy.layout.entries]
@@ -55,7 +56,7 @@ def test_capture_frees_the_model_and_keeps_one_entry_per_tie() -> None:
 
 
 def test_layout_is_aligned_disjoint_and_grouped_by_dtype() -> None:
-    layout = HostCopy(gpu_models.tied_lm()).layout
+    layout = HostCopy(examples.tied_lm()).layout
     spans = sorted((e.offset, e.offset + e.nbytes) for e in layout.entries)
     assert all(a % ALIGN == 0 for a, _ in spans)
     assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans))
@@ -67,7 +68,7 @@ def test_layout_is_aligned_disjoint_and_grouped_by_dtype() -> None:
 
 
 def test_mutating_a_resident_model_leaves_the_host_copy_intact() -> None:
-    model = gpu_models.tied_lm()
+    model = examples.tied_lm()
     ref = _outputs(model, TOKENS)
     copy = HostCopy(model)
     host_before = copy.host.clone()
@@ -81,7 +82,7 @@ def test_mutating_a_resident_model_leaves_the_host_copy_intact() -> None:
 
 
 def test_two_residents_are_independent() -> None:
-    copy = HostCopy(gpu_models.mlp())
+    copy = HostCopy(examples.mlp())
     a, b = copy.restore("cpu"), copy.restore("cpu")
     assert a.arena.data_ptr() != b.arena.data_ptr()
     with torch.no_grad():
@@ -91,7 +92,7 @@ def test_two_residents_are_independent() -> None:
 
 
 def test_restore_into_a_preallocated_arena() -> None:
-    model = gpu_models.mlp()
+    model = examples.mlp()
     x = torch.randn(2, 8)
     ref = _outputs(model, x)
     copy = HostCopy(model)
@@ -107,7 +108,7 @@ def test_restore_into_a_preallocated_arena() -> None:
 )
 def test_unfit_arena_is_refused(arena: torch.Tensor) -> None:
     with pytest.raises(ValueError, match="arena"):
-        HostCopy(gpu_models.mlp()).restore("cpu", arena)
+        HostCopy(examples.mlp()).restore("cpu", arena)
 
 
 def test_chunked_copy_covers_every_byte() -> None:
@@ -118,25 +119,25 @@ def test_chunked_copy_covers_every_byte() -> None:
 
 
 def test_headroom_is_zero_where_unmeasurable() -> None:
-    resident = HostCopy(gpu_models.mlp()).restore("cpu")
-    assert measure_headroom(resident, gpu_models.mlp_handle, [[0.0] * 8]) == 0
+    resident = HostCopy(examples.mlp()).restore("cpu")
+    assert measure_headroom(resident, examples.mlp_handle, [[0.0] * 8]) == 0
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_restore_from_pinned_host_copy() -> None:  # pragma: no cover - needs a GPU
-    model = gpu_models.mlp()
+    model = examples.mlp()
     x = torch.randn(4, 8)
     ref = _outputs(model, x)
     copy = HostCopy(model)
     assert copy.host.is_pinned()
     resident = copy.restore("cuda:0")
     assert torch.allclose(_outputs(resident.model, x.cuda()).cpu(), ref, atol=1e-5)
-    assert measure_headroom(resident, gpu_models.mlp_handle, [[0.0] * 8] * 64) > 0
+    assert measure_headroom(resident, examples.mlp_handle, [[0.0] * 8] * 64) > 0
 
 
 def test_large_restore_overlaps_the_copy_and_stays_exact() -> None:
-    model = gpu_models.mlp(gpu_models.MlpConfig(hidden=1500, layers=3))
+    model = examples.mlp(examples.MlpConfig(hidden=1500, layers=3))
     x = torch.randn(3, 8)
     ref = _outputs(model, x)
     copy = HostCopy(model)
@@ -145,7 +146,7 @@ def test_large_restore_overlaps_the_copy_and_stays_exact() -> None:
 
 
 def test_evicted_model_is_recycled_without_write_back() -> None:
-    model = gpu_models.tied_lm()
+    model = examples.tied_lm()
     ref = _outputs(model, TOKENS)
     copy = HostCopy(model)
     host_before = copy.host.clone()
@@ -159,3 +160,12 @@ def test_evicted_model_is_recycled_without_write_back() -> None:
     assert again.model.head.weight is again.model.emb.weight
     assert torch.equal(copy.host, host_before)
     assert torch.equal(_outputs(again.model, TOKENS), ref)
+
+
+def test_held_bytes_counts_the_arena_and_what_a_handler_added() -> None:
+    resident = HostCopy(examples.mlp()).restore("cpu")
+    arena = resident.arena.untyped_storage().nbytes()
+    assert held_bytes(resident) == arena  # every parameter is a view of the arena
+    resident.model.register_buffer("cache", torch.zeros(1000))
+    resident.model[0].register_buffer("same", resident.model.get_buffer("cache")[:10])
+    assert held_bytes(resident) == arena + 4000  # the cache once, though two hold it

@@ -7,8 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.gpu_manager.devices import Chunk, root_chunks
 from services.gpu_manager.residency import ChunkPool, Placement, Residency, snapshot
+from tangram.chunks import Chunk, root_chunks
 from tangram.errors import InternalError, InvalidRequest
 
 GB = 1 << 30
@@ -41,6 +41,30 @@ def test_lru_evicts_least_recently_used_first() -> None:
     assert grant is not None
     assert [p.service for p in grant.evict] == ["b", "c"]
     assert snapshot(r) == {"a": [(0, 1)], "d": [(0, 1)]}
+
+
+def test_remeasure_records_growth_and_says_how_far_over_budget() -> None:
+    r = Residency((3 * GB,))
+    run(r, "x0", "a", 1, GB, 0.0)
+    grant = r.acquire("x1", "grow", 1, GB, 1.0)
+    assert grant is not None
+    assert r.remeasure(grant.placement, GB // 2) == 0  # never shrinks
+    assert r.remeasure(grant.placement, 2 * GB) == 0  # 1 + 2 GB: within the budget
+    assert r.remeasure(grant.placement, 3 * GB) == GB  # 1 + 3 GB: one over
+    r.release("x1", 2.0, resident=False)  # the shell drops the copy that broke the budget
+    assert r.used(0) == GB
+
+
+def test_a_cached_copy_re_measured_larger_makes_room_without_a_restore() -> None:
+    r = Residency((3 * GB,))
+    run(r, "x0", "grow", 1, GB, 0.0)
+    run(r, "x1", "other", 1, GB, 1.0)
+    run(r, "x2", "lru", 1, GB, 2.0)  # the device is full
+    grant = r.acquire("x3", "grow", 1, 2 * GB, 3.0)  # it was re-measured at 2 GB since
+    assert grant is not None
+    assert not grant.restore
+    assert [p.service for p in grant.evict] == ["other"]  # the least recent that is not it
+    assert r.used(0) == 3 * GB
 
 
 def test_prefers_the_free_chunk_already_caching_the_service() -> None:
@@ -135,15 +159,15 @@ class ResidencyMachine(RuleBasedStateMachine):
         grant = self.r.acquire(f"a{self.n}", service, UNITS[service], nbytes, self.now)
         if grant is None:
             return
-        target = set(grant.placement.chunk.devices)
+        target = set(grant.placement.chunk.positions())
         for victim in grant.evict:  # LRU: on some device it was evicted for, it was the oldest
             assert any(
                 all(
                     stamp > before[victim]
                     for kept, stamp in before.items()
-                    if kept in self.r.cached and d in kept.chunk.devices
+                    if kept in self.r.cached and d in kept.chunk.positions()
                 )
-                for d in target & set(victim.chunk.devices)
+                for d in target & set(victim.chunk.positions())
             )
 
     @precondition(lambda self: bool(self.r.running))
@@ -160,10 +184,10 @@ class ResidencyMachine(RuleBasedStateMachine):
 
     @invariant()
     def one_action_per_device(self) -> None:
-        held = [d for g in self.r.running.values() for d in g.placement.chunk.devices]
+        held = [d for g in self.r.running.values() for d in g.placement.chunk.positions()]
         assert len(held) == len(set(held))
         assert dict(self.r.busy) == {
-            d: a for a, g in self.r.running.items() for d in g.placement.chunk.devices
+            d: a for a, g in self.r.running.items() for d in g.placement.chunk.positions()
         }
 
     @invariant()
@@ -171,7 +195,7 @@ class ResidencyMachine(RuleBasedStateMachine):
         chunks = list(self.r.pool.free) + [g.placement.chunk for g in self.r.running.values()]
         for c in chunks:
             Chunk(c.start, c.size)  # legal by construction; re-checked
-        assert sorted(d for c in chunks for d in c.devices) == list(range(8))
+        assert sorted(d for c in chunks for d in c.positions()) == list(range(8))
         if not self.r.running:
             assert self.r.pool.free == set(root_chunks(8))  # buddies merged back
 

@@ -9,19 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.gpu_manager import examples
 from services.gpu_manager.services import build_service, load_factory
 from tangram.errors import InvalidRequest
-from tests import gpu_models
 
 M = "tests.gpu_models"
+EX = "services.gpu_manager.examples"
 
 
 def test_builds_a_factory_by_import_path() -> None:
-    built = build_service(f"{M}:mlp_service")
+    built = build_service(f"{EX}:mlp_service")
     assert isinstance(built.model, torch.nn.Module)
     outs = built.handle(built.model, [[0.0] * 8, [1.0] * 8])
     assert len(outs) == 2
-    assert outs == gpu_models.mlp_handle(gpu_models.mlp(), [[0.0] * 8, [1.0] * 8])
+    assert outs == examples.mlp_handle(examples.mlp(), [[0.0] * 8, [1.0] * 8])
 
 
 def test_dotted_attribute_path() -> None:

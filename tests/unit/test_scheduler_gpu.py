@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.gateway.formulation import formulate_infer
-from services.scheduler.core import gpu
+from services.scheduler.core import gpu, gpu_sched
 from services.scheduler.core.effects import Finish, PrepareOnNode, ServiceSettled, StartOnNode
 from services.scheduler.core.scheduler import CoreConfig, SchedulerCore
 from services.scheduler.policies.spec import make_policy
@@ -268,6 +268,58 @@ def test_unprepared_service_waits_and_failed_everywhere_fails() -> None:
     assert err is not None
     assert err.kind is ErrorKind.BACKEND_UNAVAILABLE
     assert "ImportError: no pkg" in err.message
+
+
+def _bad(name: str = "judge") -> tuple[PreparedService, ...]:
+    return tuple(PreparedService(name=name, dop=d, error="ImportError: no pkg") for d in (1, 2, 4))
+
+
+def test_failed_everywhere_follows_reports_registrations_and_nodes() -> None:
+    core = core_with(gpu_report("g0", services=_bad()), gpu_report("g1", services=_bad()))
+    core.enqueue(infer("a"), 0.0)
+    assert "a" in finishes(core.schedule(0.0))  # every node failed it
+    core.node_report(gpu_report("g1", services=prepared()), 1.0)  # fixed on g1
+    core.enqueue(infer("b"), 1.0)
+    (run,) = starts(core.schedule(1.0))
+    assert run.node_id == "g1"
+    core.node_report(gpu_report("g1", services=_bad()), 2.0)
+    core.node_report(gpu_report("g2", services=()), 2.0)  # a new node has not reported it
+    core.enqueue(infer("c"), 2.0)
+    assert core.schedule(2.0) == []  # so c waits
+    core.node_leaving(NodeLeaving(node_id="g2", incarnation="i0", started=()), 3.0)
+    assert "c" in finishes(core.schedule(3.0))  # the node left: failed everywhere again
+    core.register_service(JUDGE, 4.0)  # a new registration forgets what the nodes said
+    core.enqueue(infer("d"), 4.0)
+    assert core.schedule(4.0) == []
+
+
+def test_a_pass_recomputes_failed_everywhere_only_for_what_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    specs = [ServiceSpec(f"s{i}", "pkg.models:s", dops=(1,)) for i in range(20)]
+    core = core_with(gpu_report(services=tuple(p for s in specs for p in prepared(s))))
+    core.restore_services(specs)
+    computed: list[str] = []
+    real = gpu_sched.failed_everywhere
+
+    def counted(spec: ServiceSpec, nodes: object) -> str:
+        computed.append(spec.name)
+        return real(spec, nodes)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gpu_sched, "failed_everywhere", counted)
+    core.enqueue(infer("a", "s0"), 0.0)
+    core.schedule(0.0)
+    computed.clear()
+    beat = gpu_report(services=tuple(p for s in specs for p in prepared(s, footprint=9)))
+    core.node_report(beat, 1.0)  # a heartbeat: footprints changed, no error did
+    core.enqueue(infer("b", "s1"), 1.0)
+    core.schedule(1.0)
+    assert computed == []
+    failing = tuple(p for s in specs[1:] for p in prepared(s)) + _bad("s0")[:1]
+    core.node_report(gpu_report(services=failing), 2.0)
+    core.enqueue(infer("c", "s0"), 2.0)
+    assert "c" in finishes(core.schedule(2.0))
+    assert computed == ["s0"]
 
 
 def test_device_oom_retries_once_on_a_larger_chunk() -> None:

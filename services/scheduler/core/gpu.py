@@ -5,8 +5,9 @@ a multiple of ``2**a`` (positions, not indices, so a node whose GPUs are 0, 1, 4
 two legal pairs). The free GPUs form maximal free chunks; a grant of ``m`` GPUs takes a chunk of
 the smallest level that holds ``2**a >= m`` GPUs and splits it into buddies, exactly the rule
 the DP operator of the elastic policy (``ChunkOperator``) assumes, so every grant it arranges
-finds its chunk. Among the chunks of that level the one where the service already resides wins
-(no restore); its restore cost otherwise is its footprint over the node's copy bandwidth.
+finds its chunk (the geometry is ``tangram.chunks``, shared with the gpu_manager). Among the
+chunks of that level the one where the service already resides wins (no restore); its restore
+cost otherwise is its footprint over the node's copy bandwidth.
 
 A busy chunk runs one DoP variant of one service (:class:`Shared`): calls to that variant may
 share it, up to the service's ``max_batch``, and the agent coalesces them into forward passes.
@@ -18,22 +19,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from services.scheduler.core.books import GpuFacts, Node
-from services.scheduler.policies.chunks import CHUNK_SIZES, chunk_level
+from tangram.chunks import MAX_CHUNK as MAX_CHUNK
+from tangram.chunks import Chunk as Chunk
+from tangram.chunks import chunk_counts as chunk_counts
+from tangram.chunks import chunk_level
+from tangram.chunks import free_chunks as free_chunks
 
 # When an agent did not measure its host->device bandwidth: a PCIe 4.0 x16 link's practical rate.
 DEFAULT_RESTORE_GB_PER_S = 20.0
-MAX_CHUNK = CHUNK_SIZES[-1]
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """A legal chunk: ``size`` GPUs from position ``start`` of its node's GPU list."""
-
-    start: int
-    size: int
-
-    def positions(self) -> range:
-        return range(self.start, self.start + self.size)
 
 
 @dataclass(slots=True)
@@ -59,27 +52,6 @@ class Shared:
 def usable(facts: GpuFacts, free: set[int]) -> list[bool]:
     """Per position: free and not down."""
     return [g in free and g not in facts.down for g in facts.gpus]
-
-
-def free_chunks(ok: Sequence[bool]) -> list[Chunk]:
-    """The maximal free legal chunks (largest first): a chunk is kept when all its GPUs are
-    free and no larger free chunk holds it."""
-    out: list[Chunk] = []
-    covered = [False] * len(ok)
-    for size in reversed(CHUNK_SIZES):
-        for start in range(0, len(ok) - size + 1, size):
-            span = range(start, start + size)
-            if all(ok[p] and not covered[p] for p in span):
-                out.append(Chunk(start, size))
-                for p in span:
-                    covered[p] = True
-    return out
-
-
-def chunk_counts(chunks: Iterable[Chunk]) -> tuple[int, int, int, int]:
-    """Free chunks per size 1, 2, 4, 8: the state of Algorithm 4."""
-    sizes = [c.size for c in chunks]
-    return sizes.count(1), sizes.count(2), sizes.count(4), sizes.count(8)
 
 
 def candidates(chunks: Sequence[Chunk], units: int) -> list[Chunk]:

@@ -52,6 +52,7 @@ from services.scheduler.core.effects import (
 from services.scheduler.core.gpu_share import Group, service_of
 from services.scheduler.core.registry import (
     Registration,
+    changed,
     failed_everywhere,
     has_reported,
     missing,
@@ -116,6 +117,11 @@ class GpuScheduler:
         self._free: dict[str, list[gpu.Chunk]] = {}
         self._costs: dict[tuple[str, str, int], float] = {}
         self._failed: dict[str, str] = {}  # service -> why every GPU node failed it
+        # what _failed is out of date for: its services whose inputs changed (``changed``), or
+        # all of them (GPU nodes came or went); recomputed at the next pass, so a pass costs
+        # what changed rather than every service on every node
+        self._stale: set[str] = set()
+        self._failed_on: set[str] | None = None  # the GPU nodes _failed was computed over
         self._shared: dict[tuple[str, tuple[int, ...]], gpu.Shared] = {}  # busy chunks
 
     # ------------------------------------------------------------------ services
@@ -127,12 +133,14 @@ class GpuScheduler:
         """Services registered before a restart (from Postgres): known, nobody waits."""
         for spec in specs:
             self.services[spec.name] = spec
+            self._stale.add(spec.name)
 
     def register(self, spec: ServiceSpec, now: float) -> list[Effect]:
         """Record ``spec`` and ask every GPU node to prepare it; the answer (``ServiceSettled``)
         comes when each has reported it. What a node said of an earlier spec of the same name
         is forgotten, so the answer waits for its report of this one."""
         self.services[spec.name] = spec
+        self._stale.add(spec.name)
         nodes = self.facts()
         for facts in nodes.values():
             facts.services = {k: v for k, v in facts.services.items() if k[0] != spec.name}
@@ -157,7 +165,9 @@ class GpuScheduler:
             elif g in facts.absent:  # listed again: healthy
                 facts.absent.discard(g)
                 facts.down.discard(g)
-        facts.services = {(e.name, e.dop): e for e in report.services}
+        reported = {(e.name, e.dop): e for e in report.services}
+        self._stale |= changed(facts.services, reported)
+        facts.services = reported
         effects: list[Effect] = []
         ask = [
             s
@@ -173,6 +183,7 @@ class GpuScheduler:
         return effects + self.settle(now)
 
     def node_gone(self, node_id: str, now: float) -> list[Effect]:
+        self._failed_on = None  # every service's answer may change: recomputed next pass
         for reg in self.registering.values():
             reg.waiting_on.discard(node_id)
         return self.settle(now)
@@ -213,7 +224,7 @@ class GpuScheduler:
         live = [n for n in self.core.nodes.values() if n.gpu is not None and not n.draining]
         servable: list[UnifiedAction] = []
         facts = self.facts()
-        self._failed = {n: failed_everywhere(s, facts) for n, s in self.services.items()}
+        self._refresh_failed(facts)
         for act in acts:
             fail = self._unservable(act, now)
             if fail:
@@ -298,6 +309,16 @@ class GpuScheduler:
 
     def _cap(self, node: Node) -> int:
         return len(_facts(node).gpus) + self.core.cfg.lookahead
+
+    def _refresh_failed(self, nodes: dict[str, GpuFacts]) -> None:
+        """Bring ``_failed`` up to date for the services whose inputs changed since it was
+        computed (all of them when the GPU nodes are not the same ones)."""
+        if self._failed_on is None or nodes.keys() != self._failed_on:
+            self._failed_on = set(nodes)
+            self._stale = set(self.services)
+        for name in self._stale & self.services.keys():
+            self._failed[name] = failed_everywhere(self.services[name], nodes)
+        self._stale = set()
 
     def _unservable(self, act: UnifiedAction, now: float) -> list[Effect]:
         name = service_of(act)

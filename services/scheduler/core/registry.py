@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from services.scheduler.core.books import GpuFacts
-from tangram.contract import ServiceSpec, ServiceState
+from tangram.contract import PreparedService, ServiceSpec, ServiceState
 
 
 @dataclass
@@ -66,6 +66,19 @@ def state_of(spec: ServiceSpec, nodes: Mapping[str, GpuFacts]) -> ServiceState:
         calls=calls,
         batches=batches,
     )
+
+
+def changed(
+    old: Mapping[tuple[str, int], PreparedService], new: Mapping[tuple[str, int], PreparedService]
+) -> set[str]:
+    """The services whose variants or errors differ between two reports of one node: all that
+    :func:`failed_everywhere` reads of a report (its footprints, residency and counts change
+    with every heartbeat and do not matter to it)."""
+    if old.keys() == new.keys():  # a heartbeat, usually
+        return {k[0] for k, e in new.items() if old[k].error != e.error}
+    names = {name for name, _ in old.keys() ^ new.keys()}
+    names.update(k[0] for k, e in new.items() if k in old and old[k].error != e.error)
+    return names
 
 
 def failed_everywhere(spec: ServiceSpec, nodes: Mapping[str, GpuFacts]) -> str:
