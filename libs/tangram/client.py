@@ -65,7 +65,7 @@ from tangram.errors import (
     Unavailable,
 )
 from tangram.intake import SubmitBatcher
-from tangram.lease import Lease, SyncLease
+from tangram.lease import Cleanups, Lease, SyncLease
 
 T = TypeVar("T")
 
@@ -80,6 +80,9 @@ BUSY_JITTER, BUSY_MAX_S = 0.5, 10.0
 # How long a refused submit keeps coming back when its action sets no queue timeout: the
 # scheduler's default bound on queueing (CoreConfig.queue_timeout_s).
 BUSY_WAIT_S = 1800.0
+# A registration's answer waits for the GPU nodes to build the service: the gateway waits up to
+# its register_timeout_s (150 s) for it, so a client waits that long and a margin.
+REGISTER_WAIT_S = 180.0
 EARLY_LIMIT = 10_000  # pushed results nobody waits for yet (the gateway keeps them all anyway)
 RECHECK_S = 30.0  # ask the gateway for a result not pushed within this (and on reconnect)
 POLL_MIN_S, POLL_MAX_S = 0.05, 1.0  # polling for results of other clients' actions
@@ -97,6 +100,7 @@ class Client:
         self._sub: Subscription | None = None
         self._ids = itertools.count()
         self._intake = SubmitBatcher(bus, ATTEMPT_FIRST_S)  # submits leave in batches
+        self.cleanups = Cleanups()  # lease releases that outlive a cancelled caller
 
     @classmethod
     def connect(cls, nats_url: str | None = None, **kw: Any) -> _Connecting:
@@ -128,6 +132,7 @@ class Client:
         for fut in self._waiters.values():
             if not fut.done():
                 fut.cancel()
+        await self.cleanups.wait(self.request_timeout)
         await self._intake.close()
         await self.bus.close()
 
@@ -327,7 +332,8 @@ class Client:
     async def register_service(self, spec: ServiceSpec) -> ServiceState:
         """Register (or update) a model service; returns once the GPU nodes prepared it.
         A factory that cannot be imported or built raises the error naming why."""
-        states = _services(await self._gateway(RegisterService(spec=checked_service(spec))))
+        req = RegisterService(spec=checked_service(spec))
+        states = _services(await self._gateway(req, budget_s=REGISTER_WAIT_S))
         found = [s for s in states if s.spec.name == spec.name]
         return found[0] if found else ServiceState(spec=spec)
 
@@ -389,6 +395,7 @@ class Client:
         *,
         busy_s: float = 0.0,
         first: Callable[[], Awaitable[Any]] | None = None,
+        budget_s: float | None = None,
     ) -> Any:
         """Ask the gateway. What the error tree marks retryable (busy, unreachable, no reply,
         a server's ``unavailable`` reply) is retried with backoff (``busy``: after the
@@ -397,9 +404,10 @@ class Client:
         reply was lost (a broker restart) is simply made again. A ``busy`` answer (the mesh
         is up, its queue full) renews that budget for up to ``busy_s`` in all: a submit
         refused for a full queue waits here as long as it would have waited in the queue.
-        ``first`` makes the first try (a submit: in its client's batch, see ``intake``)."""
+        ``first`` makes the first try (a submit: in its client's batch, see ``intake``);
+        ``budget_s`` replaces ``request_timeout`` for a request the mesh answers slowly."""
         start = time.monotonic()
-        deadline = start + self.request_timeout
+        deadline = start + (budget_s or self.request_timeout)
         busy_until = start + max(self.request_timeout, busy_s)
         delay, attempt_s, tries = RETRY_FIRST_S, ATTEMPT_FIRST_S, 0
         while True:

@@ -6,13 +6,19 @@ quota); inside, the caller makes its call with its own SDK and says what it saw 
 ``lease.report(...)``; leaving the block (an exception included) releases the lease with that
 report, which feeds the quota's limiter. A lease not released (a crashed client) is freed when
 its ``ttl_s`` runs out.
+
+Cancellation is a normal way out: the release (or, while waiting for the grant, the cancel of
+the lease action) runs in a task the client owns (:class:`Cleanups`), shielded from the
+caller's cancellation, so a task cancelled inside the block, even again while it leaves, still
+frees the unit at once; the client's ``close()`` waits for those tasks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -22,8 +28,45 @@ from tangram.errors import InvalidRequest, RemoteError, TangramError
 log = logging.getLogger(__name__)
 
 
+class Cleanups:
+    """Cleanup that a cancelled caller must not cut short, each in a task owned here."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self, cleanup: Coroutine[Any, Any, None]) -> None:
+        """Run ``cleanup`` to its end: a cancelled caller stops waiting for it (the
+        CancelledError is re-raised at once) but the task goes on."""
+        task = asyncio.get_running_loop().create_task(cleanup)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        await asyncio.shield(task)
+
+    async def wait(self, timeout_s: float) -> None:
+        """Let the cleanups running (or started meanwhile) finish within ``timeout_s``; cancel
+        what is left then."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._tasks and (left := deadline - loop.time()) > 0:
+            await asyncio.wait(set(self._tasks), timeout=left)
+        late = set(self._tasks)
+        for task in late:
+            task.cancel()
+        if late:
+            await asyncio.wait(late)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # seen here even when its caller was cancelled and can no longer raise it
+            log.error("lease cleanup failed", exc_info=task.exception())
+
+
 class LeaseClient(Protocol):
-    """What a lease needs of the client: run an action, cancel one, ask the gateway."""
+    """What a lease needs of the client: run an action, cancel one, ask the gateway, and a
+    home for cleanup tasks."""
+
+    cleanups: Cleanups
 
     async def run(self, spec: ActionSpec, *, wait_s: float | None = None) -> ActionResult: ...
 
@@ -78,8 +121,7 @@ class Lease:
             result = await self._client.run(self.spec, wait_s=self._wait_s)
         except BaseException:
             # no grant seen: do not leave one to be granted later and held until its TTL
-            with contextlib.suppress(TangramError):
-                await self._client.cancel(self.spec.action_id)
+            await self._client.cleanups.run(self._withdraw())
             raise
         self.result = _granted(result)
         self._report = ReleaseLease(lease_id=self.lease_id)
@@ -88,11 +130,21 @@ class Lease:
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
-        release = self._report
+        await self._client.cleanups.run(self._release(self._report))
+
+    async def _withdraw(self) -> None:
+        """Cancel the lease action; release it too, if a grant raced the cancel (the lease
+        id is the action id)."""
+        with contextlib.suppress(TangramError):
+            await self._client.cancel(self.spec.action_id)
+        await self._release(ReleaseLease(lease_id=self.spec.action_id), quiet=True)
+
+    async def _release(self, release: ReleaseLease, *, quiet: bool = False) -> None:
         try:
             await self._client.release_lease(release)
         except TangramError as exc:  # the TTL frees it; never hide the caller's own error
-            log.warning("lease %s not released (its TTL will free it): %s", release.lease_id, exc)
+            if not quiet:
+                log.warning("lease %s not released (TTL will free it): %s", release.lease_id, exc)
 
 
 def _granted(result: ActionResult) -> ActionResult:

@@ -1,10 +1,13 @@
 """Formulate http and lease actions against the declared quotas, or say exactly what is wrong.
 
 Pure: the quota specs are passed in. An http action costs one unit of ``quota:NAME``, a lease its
-``units``; neither needs an environment. The URL check here is the first of two: scheme http or
-https, and the host (and port: an entry without one admits only the scheme's default port)
-listed exactly in the quota's ``hosts``. The quota_manager checks again, after DNS and on every
-redirect.
+``units``; neither needs an environment. The checks here are the first of two, by the contract's
+rules, so a request that breaks one is refused before it is durable and before it spends a unit:
+the demand fits the quota's limits (``check_fits``, which the scheduler's limiter applies too);
+the URL's scheme is http or https and its host (and port: an entry without one admits only the
+scheme's default port) listed exactly in the quota's ``hosts``; the headers are within their caps
+and set none the quota_manager owns (``check_headers``). The quota_manager checks the URL and the
+headers again, after DNS and on every redirect.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from tangram.contract import (
     LeaseAction,
     QuotaSpec,
     UnifiedAction,
+    check_fits,
+    check_headers,
 )
 from tangram.contract.hosts import check_url
 from tangram.errors import InvalidRequest
@@ -51,6 +56,7 @@ def formulate_quota(
     check_fits(quota, units, tokens)
     if isinstance(act, HttpAction):
         check_url(act.url, quota.hosts, quota=quota.name)
+        check_headers(act.headers)
     name = resource(act.quota)
     return UnifiedAction(
         spec=spec,
@@ -72,16 +78,3 @@ def declared(quotas: Mapping[str, QuotaSpec], name: str) -> QuotaSpec:
             f"unknown quota {name!r} (declared: {known})", hint="declare it with set_quota"
         )
     return quota
-
-
-def check_fits(quota: QuotaSpec, units: int, tokens: int) -> None:
-    """Refuse a demand no grant could ever satisfy: over a limit on its own."""
-    asks = {"concurrency": units, "per_minute": units, "per_day": units}
-    asks["tokens_per_minute"] = tokens
-    for field, limit in quota.limits().items():
-        amount = asks.get(field)  # per_second below one a second still admits one call
-        if amount is not None and amount > limit:
-            raise InvalidRequest(
-                f"quota {quota.name!r}: {amount} exceeds {field}={limit:g}",
-                hint="a single call or lease can never be granted more than the limit",
-            )

@@ -3,8 +3,9 @@ list them as the scheduler sees them, release a lease, and the cache of specs th
 lease actions are formulated against.
 
 The cache is loaded at start and updated on every SetQuota this gateway serves; another
-gateway's SetQuota is picked up by a reload (at most once a second) when an action names a
-quota the cache does not know or a host its cached spec does not list.
+gateway's SetQuota is picked up by a reload (at most once a second) when the cache refuses an
+http or lease action (a quota it does not know, a host or a limit its cached spec does not
+allow): the action is formulated once, and once more only after such a reload.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Mapping
 import asyncpg
 
 from services.gateway import services_api
-from services.gateway.quota_formulation import formulate_quota, quota_of
+from services.gateway.quota_formulation import quota_of
 from tangram import subjects
 from tangram.bus import BaseBus
 from tangram.contract import (
@@ -26,6 +27,7 @@ from tangram.contract import (
     Quotas,
     QuotaSpec,
     ReleaseLease,
+    UnifiedAction,
     checked_quota,
     codec,
     encode,
@@ -55,16 +57,19 @@ class QuotaBook:
         self.specs = {s.name: s for s in (codec.decode(r["spec"], QuotaSpec) for r in rows)}
         self._loaded_at = self.clock()
 
-    async def fresh_for(self, spec: ActionSpec) -> Mapping[str, QuotaSpec]:
-        """The specs to formulate ``spec`` against: reloaded first when the cache would refuse
-        it (another gateway may have declared or widened its quota since)."""
-        if quota_of(spec) is None or self.clock() - self._loaded_at < RELOAD_EVERY_S:
-            return self.specs
+    async def formulated(
+        self, spec: ActionSpec, build: Callable[[Mapping[str, QuotaSpec]], UnifiedAction]
+    ) -> UnifiedAction:
+        """``build(specs)``: the unified action of ``spec`` formulated against the cached
+        specs; if they refuse an http or lease action, once more after a reload (another
+        gateway may have declared or widened its quota since)."""
         try:
-            formulate_quota(spec, self.specs, now=0.0)
+            return build(self.specs)
         except InvalidRequest:
-            await self.load()
-        return self.specs
+            if quota_of(spec) is None or self.clock() - self._loaded_at < RELOAD_EVERY_S:
+                raise
+        await self.load()
+        return build(self.specs)
 
     async def set(self, bus: BaseBus, spec: QuotaSpec) -> Done:
         """Validate, make durable, cache, and hand to the scheduler's limiter."""

@@ -76,8 +76,6 @@ class Gateway(Service):
             self._insert, max_batch=cfg.max_batch
         )
         self._intake_conn = db.Held(pool, db.CUSTOM_PLANS)  # no pool reset per batch
-        self._handing: list[UnifiedAction] = []  # durable, for the scheduler this turn
-        self._sends: set[asyncio.Task[None]] = set()
         self.admission = Admission(cfg.bounds())
         # Over the bound, is a refused submit's action already durable? One query per batch
         # of refusals, so shedding load does not cost a round trip each.
@@ -86,7 +84,15 @@ class Gateway(Service):
         )
 
     async def _insert(self, batch: Sequence[UnifiedAction]) -> list[store.Intake]:
-        return await self._intake_conn.run(lambda conn: store.insert_actions(conn, batch))
+        """Make a batch durable, then hand its new actions to the scheduler at once, ahead
+        of the replies (one message a batch: a lost one is found by the scheduler's sweep of
+        durable queued actions)."""
+        intakes = await self._intake_conn.run(lambda conn: store.insert_actions(conn, batch))
+        new = [a for a, i in zip(batch, intakes, strict=True) if not i.duplicate]
+        for run in batches(new):
+            one = len(run) == 1
+            await self._publish(Enqueue(action=run[0]) if one else EnqueueMany(actions=tuple(run)))
+        return intakes
 
     async def _lookup(self, action_ids: Sequence[str]) -> list[store.Existing | None]:
         found = await store.fetch_existing(self.pool, action_ids)
@@ -105,9 +111,6 @@ class Gateway(Service):
         await self.bus.stop_serving(grace_s)
         await self.intake.close()
         await self.lookups.close()
-        self._send_hand_off()
-        if self._sends:
-            await asyncio.wait(set(self._sends), timeout=grace_s)
         await self._intake_conn.release()
 
     async def handle(self, req: GatewayRequest, msg: Msg) -> Reply:
@@ -124,7 +127,8 @@ class Gateway(Service):
             case Cancel(action_id=action_id):
                 return await self.forward(CancelCmd(action_id=action_id))
             case RegisterService(spec=spec):
-                return await services_api.register(self.pool, self.bus, spec)
+                timeout_s = self.cfg.register_timeout_s
+                return await services_api.register(self.pool, self.bus, spec, timeout_s)
             case ListServices():
                 return await services_api.list_services(self.bus)
             case SetQuota(spec=spec):
@@ -149,13 +153,17 @@ class Gateway(Service):
             return exc.to_reply()
 
     async def submit(self, req: Submit) -> Accepted | ActionResult:
-        action = formulate(
+        now, traceparent = time.time(), telemetry.current_traceparent()
+        action = await self.quotas.formulated(
             req.spec,
-            now=time.time(),
-            limits=self.limits,
-            reply_subject=req.reply_subject or "",
-            traceparent=telemetry.current_traceparent(),
-            quotas=await self.quotas.fresh_for(req.spec),
+            lambda quotas: formulate(
+                req.spec,
+                now=now,
+                limits=self.limits,
+                reply_subject=req.reply_subject or "",
+                traceparent=traceparent,
+                quotas=quotas,
+            ),
         )
         busy = self.admission.admit()  # validated first: a wrong request is told so at once
         if busy is not None:
@@ -167,24 +175,7 @@ class Gateway(Service):
                 duplicate=True,
                 status=intake.status,  # type: ignore[arg-type]
             )
-        self._hand_off(action)
         return Accepted(action_id=intake.action_id)
-
-    def _hand_off(self, action: UnifiedAction) -> None:
-        """Hand a durable action to the scheduler; those of one turn of the event loop (one
-        intake batch) travel in one message. A lost hand-off is found by the scheduler's
-        sweep of durable queued actions."""
-        if not self._handing:
-            asyncio.get_running_loop().call_soon(self._send_hand_off)
-        self._handing.append(action)
-
-    def _send_hand_off(self) -> None:
-        batch, self._handing = self._handing, []
-        for run in batches(batch):
-            msg = Enqueue(action=run[0]) if len(run) == 1 else EnqueueMany(actions=tuple(run))
-            task = asyncio.get_running_loop().create_task(self._publish(msg))
-            self._sends.add(task)
-            task.add_done_callback(self._sends.discard)
 
     async def _publish(self, msg: Enqueue | EnqueueMany) -> None:
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -21,7 +21,8 @@ def _default_node_id() -> str:
 class QuotaManagerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     node_id: str = msgspec.field(default_factory=_default_node_id)
     heartbeat_s: float = 1.0
-    max_connections: int = 1024  # open upstream connections, all quotas together
+    # upstream connections in use at once, all quotas together (idle keep-alive ones aside)
+    max_connections: Annotated[int, msgspec.Meta(ge=1)] = 1024
     connect_timeout_s: float = 10.0  # within the action's own timeout
 
 

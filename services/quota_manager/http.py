@@ -12,6 +12,7 @@ is capped; ``Set-Cookie`` never leaves the agent and no cookie is ever kept betw
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import time
@@ -27,17 +28,14 @@ from multidict import CIMultiDictProxy
 from yarl import URL
 
 from services.quota_manager.reach import (
-    MAX_HEADER_BYTES,
-    MAX_HEADERS,
     MAX_REDIRECTS,
     check_address,
-    check_body,
-    check_headers,
     check_redirect,
     for_origin,
 )
-from tangram.contract import HttpResponse
+from tangram.contract import HttpResponse, check_headers
 from tangram.contract.hosts import Target, check_url
+from tangram.contract.quota_rules import MAX_HEADER_BYTES, MAX_HEADERS
 from tangram.errors import InvalidRequest
 
 REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
@@ -107,7 +105,12 @@ _Key = tuple[tuple[str, ...], str]
 
 
 class Upstream:
-    """Sessions to the upstreams, one per (allow-list, scheme), and the guarded call."""
+    """Sessions to the upstreams, one per (allow-list, scheme), and the guarded call.
+
+    ``max_connections`` bounds the connections in use at once over ALL sessions: every hop
+    holds one slot of a shared semaphore from its request until its answer is read (a
+    connector's own ``limit`` counts its session alone). Idle keep-alive connections are not
+    counted, as in aiohttp's limit; each closes after the connector's keep-alive timeout."""
 
     def __init__(
         self,
@@ -115,8 +118,9 @@ class Upstream:
         max_connections: int = 1024,
         connect_timeout_s: float = 10.0,
     ) -> None:
-        self.max_connections = max_connections
         self.connect_timeout_s = connect_timeout_s
+        self._slots = asyncio.Semaphore(max_connections)  # connections in use, all sessions
+        self.queued = 0  # hops waiting for a slot
         self._trace = aiohttp.TraceConfig()
         self._trace.on_request_headers_sent.append(self._headers_sent)
         self._sessions: OrderedDict[_Key, aiohttp.ClientSession] = OrderedDict()
@@ -126,13 +130,13 @@ class Upstream:
         """Make ``call``, following allowed redirects, noting in ``sent`` when each request
         went out; InvalidRequest when a hop is refused, aiohttp/OS errors when the upstream
         cannot be reached."""
-        check_headers(call.headers)
-        check_body(call.body)
+        check_headers(call.headers)  # again: the gateway checked them without the key
         target = first = check_url(call.url, call.hosts)
         method, body = call.method, call.body
         for _ in range(MAX_REDIRECTS + 1):
             check_literal(target, call.hosts)
             async with (
+                self._slot(),
                 self._session(call.hosts, target.scheme) as session,
                 session.request(
                     method,
@@ -164,6 +168,19 @@ class Upstream:
             await session.close()
 
     @contextlib.asynccontextmanager
+    async def _slot(self) -> AsyncIterator[None]:
+        """One of the ``max_connections`` slots, held for one hop."""
+        self.queued += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.queued -= 1
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+    @contextlib.asynccontextmanager
     async def _session(
         self, hosts: tuple[str, ...], scheme: str
     ) -> AsyncIterator[aiohttp.ClientSession]:
@@ -190,11 +207,10 @@ class Upstream:
             await self._sessions.pop(idle).close()
 
     def _open(self, hosts: tuple[str, ...], scheme: str) -> aiohttp.ClientSession:
-        # no DNS cache: every connect resolves (and checks) again; no cookie jar, no proxy env
+        # no DNS cache: every connect resolves (and checks) again; no cookie jar, no proxy env;
+        # no limit of its own: the shared ``_slots`` bound every session together
         connector = aiohttp.TCPConnector(
-            resolver=GuardedResolver(hosts, scheme),
-            use_dns_cache=False,
-            limit=self.max_connections,
+            resolver=GuardedResolver(hosts, scheme), use_dns_cache=False, limit=0
         )
         return aiohttp.ClientSession(
             connector=connector,

@@ -1,4 +1,4 @@
-"""The SSRF guard: which URLs, headers and bodies a quota's HTTP calls may carry.
+"""The SSRF guard: which hosts and addresses a quota's HTTP calls may reach, on every hop.
 
 The rule: scheme ``http`` or ``https`` only; the URL's host must be listed in the quota's
 ``hosts`` *exactly* (no subdomains, no wildcards: ``api.example.com`` does not admit
@@ -7,48 +7,22 @@ The rule: scheme ``http`` or ``https`` only; the URL's host must be listed in th
 ``127.0.0.1`` or ``169.254.169.254`` are refused unless the quota names them. URLs with
 userinfo, percent-encoded or non-ASCII hosts are refused rather than interpreted. A redirect
 target is checked by the same rule (:func:`tangram.contract.hosts.check_url`, which the gateway
-applies too). All pure: resolving names is the shell's job, which then
-calls :func:`check_address` so a listed name that resolves to a private address is refused too.
+applies too, as it does the header rule :func:`tangram.contract.check_headers`). All pure:
+resolving names is the shell's job, which then calls :func:`check_address` so a listed name that
+resolves to a private address is refused too.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import re
 from collections.abc import Mapping
 from typing import Final
 from urllib.parse import urljoin
 
-from tangram.contract.hosts import (
-    BAD_CHARS,
-    Target,
-    allowed,
-    check_url,
-)
+from tangram.contract.hosts import Target, allowed, check_url
 from tangram.errors import InvalidRequest
 
-MAX_HEADERS: Final = 64
-MAX_HEADER_BYTES: Final = 16 * 1024
-MAX_REQUEST_BODY: Final = 1024 * 1024
-MAX_RESPONSE_BODY: Final = 256 * 1024
 MAX_REDIRECTS: Final = 5
-
-# Headers the shell owns: framing, routing and the injected credentials.
-RESERVED_HEADERS: Final = frozenset(
-    {
-        "host",
-        "content-length",
-        "transfer-encoding",
-        "connection",
-        "upgrade",
-        "te",
-        "trailer",
-        "keep-alive",
-        "proxy-authorization",
-        "proxy-connection",
-    }
-)
-_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
 
 def check_redirect(location: str, current: str, hosts: tuple[str, ...]) -> Target:
@@ -79,26 +53,6 @@ def check_address(target: Target, address: str, hosts: tuple[str, ...]) -> None:
     if ip.is_global or allowed(_host_of(ip), target.port, target.scheme, hosts):
         return
     raise InvalidRequest(f"url refused: {target.host} resolves to non-public address {address}")
-
-
-def check_headers(headers: Mapping[str, str]) -> None:
-    """Refuse too many or too large headers, bad names/values and the ones the shell owns."""
-    if len(headers) > MAX_HEADERS:
-        raise InvalidRequest(f"too many headers ({len(headers)} > {MAX_HEADERS})")
-    size = sum(len(k) + len(v) + 4 for k, v in headers.items())
-    if size > MAX_HEADER_BYTES:
-        raise InvalidRequest(f"headers too large ({size} > {MAX_HEADER_BYTES} bytes)")
-    for name, value in headers.items():
-        if not _TOKEN.match(name) or BAD_CHARS.search(value) or not value.isascii():
-            raise InvalidRequest(f"bad header {name[:64]!r}: invalid name or value")
-        if name.lower() in RESERVED_HEADERS:
-            raise InvalidRequest(f"header {name!r} is set by tangram, not by the caller")
-
-
-def check_body(body: bytes | None) -> None:
-    """Refuse a request body over the cap."""
-    if body is not None and len(body) > MAX_REQUEST_BODY:
-        raise InvalidRequest(f"body too large ({len(body)} > {MAX_REQUEST_BODY} bytes)")
 
 
 def _host_of(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:

@@ -221,3 +221,29 @@ async def test_bad_inputs_on_the_new_requests(qmesh, qclient, uid):
     ):
         reply = await nc.request(subjects.GATEWAY.subject, junk, timeout=5)
         assert b"invalid_request" in reply.data or b"quotas" in reply.data, reply.data
+
+
+async def test_bad_headers_are_refused_before_the_quota_is_spent(qclient, uid):
+    async with RateLimitedServer() as server:
+        name = f"h{uid}"
+        await qclient.set_quota(QuotaSpec(name, concurrency=1, hosts=(host(server),)))
+        for headers in ({"Host": "evil.example"}, {"X-Big": "v" * 8000, "X-Big2": "v" * 8500}):
+            with pytest.raises(InvalidRequest, match="header"):
+                await qclient.http(
+                    "GET", f"{server.url}/call", quota=name, job_id=uid, headers=headers
+                )
+        assert server.counters.arrived == 0
+    state = next(q for q in await qclient.list_quotas() if q.spec.name == name)
+    assert state.calls == 0  # refused at the gateway: never granted, never queued
+
+
+async def test_a_lease_over_a_fractional_rate_is_refused_at_submit(qclient, uid):
+    """per_second=2.5 holds at most 2 units at once: the gateway says so when it is submitted
+    (it used to accept it, and the scheduler failed it a pass later)."""
+    await qclient.set_quota(QuotaSpec(f"f{uid}", per_second=2.5))
+    lease = LeaseAction(quota=f"f{uid}", units=3)
+    spec = ActionSpec(action_id=f"{uid}-3", job_id=uid, trajectory_id="", action=lease)
+    with pytest.raises(InvalidRequest, match=r"3 exceeds per_second=2\.5"):
+        await qclient.submit(spec)
+    async with qclient.lease(f"f{uid}", job_id=uid, units=2, wait_s=15) as granted:
+        assert granted.grant.units == 2

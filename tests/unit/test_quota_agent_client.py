@@ -20,7 +20,7 @@ from tangram.contract import (
     ReleaseLease,
 )
 from tangram.errors import InvalidRequest, RemoteError, Unavailable
-from tangram.lease import Lease, SyncLease
+from tangram.lease import Cleanups, Lease, SyncLease
 from tangram.quota_cli import quota_table, spec_of
 
 
@@ -90,6 +90,7 @@ class FakeClient:
         self.outcome = result
         self.released: list[ReleaseLease] = []
         self.cancelled: list[str] = []
+        self.cleanups = Cleanups()
 
     async def run(self, spec: ActionSpec, *, wait_s: float | None = None) -> ActionResult:
         if isinstance(self.outcome, Exception):
@@ -183,3 +184,33 @@ def test_sync_lease_runs_the_same_protocol():
     finally:
         loop.close()
     assert client.released == [ReleaseLease(lease_id="L1", tokens_used=5)]
+
+
+async def test_a_task_cancelled_inside_and_again_on_its_way_out_still_releases():
+    """The release is shielded: the caller's second cancel (a TaskGroup tearing down, a
+    timeout firing during the exit) stops its wait, not the release."""
+    client = FakeClient(GRANTED)
+    slow, entered = asyncio.Event(), asyncio.Event()
+
+    async def slow_release(release: ReleaseLease) -> None:
+        entered.set()
+        await slow.wait()  # the gateway is slow to answer (or being retried)
+        client.released.append(release)
+
+    client.release_lease = slow_release  # type: ignore[method-assign]
+
+    async def hold() -> None:
+        async with Lease(client, SPEC, None) as lease:
+            lease.report(tokens_used=7)
+            await asyncio.Event().wait()
+
+    task = asyncio.create_task(hold())
+    await asyncio.sleep(0)
+    task.cancel()  # inside the block
+    await entered.wait()
+    task.cancel()  # again, while it releases
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    slow.set()
+    await client.cleanups.wait(5.0)
+    assert client.released == [ReleaseLease(lease_id="L1", tokens_used=7)]

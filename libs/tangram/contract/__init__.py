@@ -6,6 +6,7 @@ for any message:
 - :mod:`~tangram.contract.base`: the message base, constrained scalars, size bounds, the codec.
 - :mod:`~tangram.contract.errors`: the one failure vocabulary (``ErrorKind``), ``ErrorReply``.
 - :mod:`~tangram.contract.resources`: what users declare once: quotas and model services.
+- :mod:`~tangram.contract.quota_rules`: what an http call or lease must meet under its quota.
 - :mod:`~tangram.contract.client`: what clients send the gateway and get back.
 - :mod:`~tangram.contract.scheduler`: gateway → scheduler (the unified action of §4.1).
 - :mod:`~tangram.contract.agent`: scheduler ↔ node agents (commands, reports, outcomes).
@@ -111,6 +112,7 @@ from tangram.contract.hosts import (
     parse_port,
 )
 from tangram.contract.pressure import Pressure
+from tangram.contract.quota_rules import check_fits, check_headers
 from tangram.contract.resources import (
     MAX_HOSTS,
     MAX_SERVICE_OUTPUT,
@@ -261,6 +263,8 @@ __all__ = [
     "TrajectoryId",
     "UnifiedAction",
     "batches",
+    "check_fits",
+    "check_headers",
     "checked_quota",
     "checked_service",
     "codec",

@@ -39,6 +39,7 @@ from services.scheduler.core.effects import (
 from services.scheduler.core.quota_books import (
     Agent,
     Call,
+    Deadlines,
     Lease,
     Quota,
     QuotaConfig,
@@ -71,6 +72,7 @@ from tangram.errors import InvalidRequest
 
 RECENT_LIMIT = 200_000
 DEPARTED_LIMIT = 10_000
+STALE_DEADLINES = 1024  # dropped past twice the live ones and this many
 
 
 class QuotaCore:
@@ -87,6 +89,11 @@ class QuotaCore:
         self.recent: dict[str, None] = {}
         self.departed: dict[tuple[str, str], None] = {}
         self._refused: list[Effect] = []  # results of actions refused at intake, not yet out
+        # What the tick ends, by due time (it never scans every action it holds).
+        self._timeouts = Deadlines()  # waiting actions with a queue timeout
+        self._expiries = Deadlines()  # leases
+        self._kills = Deadlines()  # calls cancelled, by the deadline of their kill
+        self._restored: set[str] = set()  # calls restored and not yet confirmed
 
     # ------------------------------------------------------------------ quotas
 
@@ -142,9 +149,15 @@ class QuotaCore:
                 action, verdict(action, ErrorKind.INVALID_REQUEST, problem, now=now)
             )
             return []
-        self.waiting[aid] = action
+        self._wait(action)
         self.quotas[ask.quota].queue.push(action.spec.job_id, aid, float(ask.units))
         return []
+
+    def _wait(self, action: UnifiedAction) -> None:
+        self.waiting[action.spec.action_id] = action
+        limit = action.spec.queue_timeout_s
+        if limit is not None:
+            self._timeouts.add(action.submitted_at + limit, action.spec.action_id)
 
     def _refusal(self, name: str, units: int, tokens: int) -> str:
         q = self.quotas.get(name)
@@ -177,6 +190,7 @@ class QuotaCore:
         self.calls[action.spec.action_id] = Call(
             action, ask.quota, grant, node_id, incarnation, now, restored=True
         )
+        self._restored.add(action.spec.action_id)
 
     def restore_lease(self, grant: LeaseGrant, now: float) -> None:
         """A lease granted before a restart and not expired: held again until released or its
@@ -186,6 +200,7 @@ class QuotaCore:
             return
         held = q.limiter.hold(grant.units, now)
         self.leases[grant.lease_id] = Lease(grant.lease_id, grant.quota, held, grant.expires_at)
+        self._expiries.add(grant.expires_at, grant.lease_id)
         self._remember(grant.lease_id)
 
     # ------------------------------------------------------------------ agents
@@ -278,7 +293,7 @@ class QuotaCore:
     def _requeue(self, action: UnifiedAction) -> None:
         ask = ask_of(action)
         if ask is not None and ask.quota in self.quotas:
-            self.waiting[action.spec.action_id] = action
+            self._wait(action)
             self.quotas[ask.quota].queue.push(action.spec.job_id, action.spec.action_id)
 
     def still_assigned(self, action_id: str, node_id: str, attempt: int) -> bool:
@@ -361,6 +376,7 @@ class QuotaCore:
             return []
         if call.kill_by is None:
             call.kill_by = now + self.cfg.kill_grace_s
+            self._kills.add(call.kill_by, action_id)
         return [KillOnNode(call.node_id, action_id, ErrorKind.CANCELLED)]
 
     def _finish(self, action: UnifiedAction, result: ActionResult) -> list[Effect]:
@@ -382,30 +398,49 @@ class QuotaCore:
             a for a in self.agents.values() if now - a.last_seen > self.cfg.node_timeout_s
         ]:
             effects += self._agent_lost(agent, now, "no heartbeat")
-        for lease in [x for x in self.leases.values() if x.expires_at <= now]:
-            self.lease_end(LeaseEnd(lease_id=lease.lease_id), now)
+        for at, lid in list(self._expiries.due(now)):
+            lease = self.leases.get(lid)
+            if lease is not None and lease.expires_at == at:
+                self.lease_end(LeaseEnd(lease_id=lid), now)
+        self._expiries.keep(self.leases.__contains__, 2 * len(self.leases) + STALE_DEADLINES)
         effects += self._queue_timeouts(now)
         effects += self._kill_deadlines(now)
-        for call in list(self.calls.values()):
-            if call.restored and call.node_id not in self.agents:
-                if now - call.started_at > self.cfg.node_timeout_s:
-                    effects += self._lost(call, now, "did not come back")
-        return effects
+        return effects + self._restored_lost(now)
 
     def _queue_timeouts(self, now: float) -> list[Effect]:
         effects: list[Effect] = []
-        for aid, act in list(self.waiting.items()):
-            limit = act.spec.queue_timeout_s
-            if limit is not None and now - act.submitted_at > limit:
-                del self.waiting[aid]
-                why = f"waited more than {limit}s for its quota"
-                effects += self._finish(act, verdict(act, ErrorKind.QUEUE_TIMEOUT, why, now=now))
+        for at, aid in list(self._timeouts.due(now)):
+            act = self.waiting.get(aid)
+            limit = None if act is None else act.spec.queue_timeout_s
+            if act is None or limit is None:
+                continue
+            if not now - act.submitted_at > limit:  # due to the float, not yet past it
+                self._timeouts.add(at, aid)
+                continue
+            del self.waiting[aid]
+            why = f"waited more than {limit}s for its quota"
+            effects += self._finish(act, verdict(act, ErrorKind.QUEUE_TIMEOUT, why, now=now))
+        self._timeouts.keep(self.waiting.__contains__, 2 * len(self.waiting) + STALE_DEADLINES)
+        return effects
+
+    def _restored_lost(self, now: float) -> list[Effect]:
+        """Restored calls whose agent never came back fail (confirmed ones are the agent's)."""
+        effects: list[Effect] = []
+        for aid in list(self._restored):
+            call = self.calls.get(aid)
+            if call is None or not call.restored or call.confirmed:
+                self._restored.discard(aid)
+            elif call.node_id not in self.agents:
+                if now - call.started_at > self.cfg.node_timeout_s:
+                    self._restored.discard(aid)
+                    effects += self._lost(call, now, "did not come back")
         return effects
 
     def _kill_deadlines(self, now: float) -> list[Effect]:
         effects: list[Effect] = []
-        for aid, call in list(self.calls.items()):
-            if call.kill_by is None or now < call.kill_by:
+        for at, aid in list(self._kills.due(now)):
+            call = self.calls.get(aid)
+            if call is None or call.kill_by != at:
                 continue
             del self.calls[aid]
             self.killed[aid] = call
@@ -488,6 +523,7 @@ class QuotaCore:
         lease = self.leases[action.spec.action_id] = Lease(
             action.spec.action_id, q.spec.name, got, now + ttl
         )
+        self._expiries.add(lease.expires_at, lease.lease_id)
         return self._finish(action, lease_result(action, lease, now))
 
     def _pick_agent(self) -> Agent | None:

@@ -3,7 +3,9 @@ an HTTP call in flight and a held lease; and the pure helpers that judge an agen
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -95,6 +97,34 @@ class Lease:
     quota: str
     grant: Grant
     expires_at: float
+
+
+class Deadlines:
+    """Ids by the time they fall due, so a tick costs what is due, not everything held.
+
+    Lazy: an id that left (granted, released) keeps its entry until it falls due or
+    :meth:`keep` drops it; the caller checks each id :meth:`due` yields is still its own."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, str]] = []
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def add(self, at: float, key: str) -> None:
+        heapq.heappush(self._heap, (at, key))
+
+    def due(self, now: float) -> Iterator[tuple[float, str]]:
+        """Pop every entry due by ``now``, earliest first."""
+        while self._heap and self._heap[0][0] <= now:
+            yield heapq.heappop(self._heap)
+
+    def keep(self, live: Callable[[str], bool], floor: int) -> None:
+        """Drop the entries of ids no longer ``live`` once there are more than ``floor``
+        (given as twice the live ids and more: the sweep is paid for by the adds before it)."""
+        if len(self._heap) > floor:
+            self._heap = [e for e in self._heap if live(e[1])]
+            heapq.heapify(self._heap)
 
 
 @dataclass(frozen=True, slots=True)

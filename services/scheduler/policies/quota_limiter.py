@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from services.scheduler.policies.quota_adaptive import Aimd, AimdConfig, Hints
-from tangram.contract import QuotaSpec
-from tangram.errors import InvalidRequest
+from tangram.contract import QuotaSpec, check_fits
 
 TOKEN_SPAN_S = 60.0
 DEFAULT_MARGIN_S = 0.01
@@ -66,7 +65,8 @@ class Window:
 
     def __init__(self, name: str, limit: float, per_s: float, margin_s: float) -> None:
         self.name, self.declared, self.per_s = name, limit, per_s
-        # Below one per window, stretch the window instead: one request per 1/limit windows.
+        # Below one per window, stretch the window instead: one request per 1/limit windows
+        # (so a grant never takes more than ``window_capacity(limit)``: see ``check_fits``).
         self.limit, self.span_s = (limit, per_s) if limit >= 1 else (1.0, per_s / limit)
         self.margin_s = margin_s
         self._log: deque[_Entry] = deque()  # settled: counted until ``at + span + margin``
@@ -271,19 +271,7 @@ class Limiter:
         return WaitUntil(*max(blocked)) if blocked else None
 
     def _validate(self, units: int, tokens: int) -> None:
-        if units < 1 or tokens < 0:
-            raise InvalidRequest(f"units must be >= 1 and tokens >= 0 (got {units}, {tokens})")
-        limits = [(w.name, w.limit, units) for w in self.windows]
-        if self.tokens is not None:
-            limits.append((self.tokens.name, self.tokens.limit, tokens))
-        if self.spec.concurrency is not None:
-            limits.append(("concurrency", self.spec.concurrency, units))
-        for field, limit, amount in limits:
-            if amount > limit:
-                raise InvalidRequest(
-                    f"quota {self.spec.name!r}: {amount} exceeds {field}={limit:g}",
-                    hint="a single call can never be granted more than the limit",
-                )
+        check_fits(self.spec, units, tokens)  # the gateway's rule: one copy, in the contract
 
     def _learn(self, granted: float, now: float, status: int | None, retry_s: float | None) -> None:
         if status == 429:
