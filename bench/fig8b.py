@@ -1,43 +1,57 @@
 """Figure 8(b) from the simulator -> bench/results/fig8b.json and fig8b.png.
 
-Left: average ACT per trajectory of the MOPD workload (``services/scheduler/sim/mopd_gpu.py``:
-bursty calls to 10 teacher services of different sizes, each burst a task domain calling 3 of
-them) over batch sizes on the paper's 40 GPUs (5 nodes x 8, §6.1), for Tangram (``elastic``:
-the live scheduler core), a model-as-a-service pool without elastic reallocation (``maas``,
-the ServerlessLLM baseline; pooled like Tangram, so also on 40 GPUs) and SGLang (``dedicated``:
-one server per service with TP over 4 GPUs, the paper's baseline, 40 GPUs for 10 services).
+The workload (``services/scheduler/sim/mopd_workload.py``, whose docstring lists every
+parameter against the paper) is calibrated first: the rollout length is set so that the SGLang
+baseline's average ACT at batch 2048 is the paper's (18.1 x Table 1's Tangram ACT, 16.3 s);
+the tokens per call were set once so that Tangram's mean execution at 2048 is Table 1's
+(recorded under ``table1`` next to the paper's breakdown, with 3072 as the check).
 
-Right: the fewest GPUs with which each pooled policy reaches the ACT the dedicated baseline
-gets on its own 40 GPUs, at batch 1024 (§6.3: "the same ACT"). Bisection over every GPU count
-from 1 to 40 (8-GPU nodes plus one node with the rest), assuming ACT does not rise with more
-GPUs; the ACT at the count found and at one GPU fewer are recorded, so the boundary is
-checked, not inferred. ``null``: not reached within 40.
+Left: average ACT per trajectory over batch sizes on the paper's 40 GPUs (5 nodes x 8, §6.1)
+for Tangram (``elastic``: the live scheduler core, FCFS as §4.2; ``elastic_hrrs``: the same
+with plexrl's HRRS candidate order), SGLang (``dedicated``: one TP-4 server per teacher, §6.1)
+and ServerlessLLM (``maas``: its released controller with its default deployment config).
 
-Restore costs come from ``bench/results/gpu.json``'s measured restore bandwidth (else 9.38
-GB/s, an earlier measurement on this machine); ``restore_share`` is restore time over
-execution time with restores (Table 1's overhead / (execution + overhead)). The independent
-runs go to two worker processes (this box has two cores).
+Right: the fewest GPUs with which each pooled policy reaches the ACT dedicated gets on its own
+40 GPUs, at batch 1024 (§6.3: "the same ACT"): bisection over GPU counts up to 80 (8-GPU nodes
+plus one with the rest), assuming ACT does not rise with more GPUs; the ACT at the count found
+and at one GPU fewer are recorded. ``null``: not reached within 80.
+
+``sensitivity``: batch 1024 under each parameter the paper does not give, changed one at a time
+(the rollout recalibrated each time). Restore costs come from ``bench/results/gpu.json``'s
+measured restore bandwidth (else 11.86 GB/s). Independent runs go to two worker processes.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from services.scheduler.sim.mopd_gpu import Config, dedicated_gpus, run
+from services.scheduler.sim.mopd_gpu import (
+    Config,
+    Outcomes,
+    calibrated,
+    dedicated_gpus,
+    run,
+)
+from services.scheduler.sim.mopd_workload import (
+    SGLANG_ACT_S,
+    SGLANG_BATCH,
+    TABLE1,
+    UNIFORM_32B,
+)
 
 OUT = Path(__file__).parent / "results"
-BATCHES = (256, 512, 1024)
-POLICIES = ("elastic", "dedicated", "maas")
-POOLED = ("elastic", "maas")
+BATCHES = (128, 256, 512, 1024, 2048)
+POLICIES = ("elastic", "elastic_hrrs", "dedicated", "maas")
+POOLED = ("elastic", "elastic_hrrs", "maas")
 GPUS = 40  # §6.1: five nodes of eight GPUs
+MAX_GPUS = 80
 EQUAL_ACT_BATCH = 1024  # §6.3: Figure 8(b) right fixes the batch at 1024
-DEFAULT_GB_PER_S = 9.38
+DEFAULT_GB_PER_S = 11.86
 
 
 def bandwidth() -> float:
@@ -47,44 +61,52 @@ def bandwidth() -> float:
         return DEFAULT_GB_PER_S
 
 
-def points_of(policy: str, base: Config) -> dict[int, tuple[float, float]]:
-    """Batch -> (average ACT, restore share) of ``policy`` on ``base.gpus`` GPUs, but for the
-    equal-ACT batch (``search`` runs it)."""
-    out = {}
-    for batch in BATCHES:
-        if batch == EQUAL_ACT_BATCH:
-            continue
-        o = run(replace(base, batch=batch), policy)
-        out[batch] = (o.mean_act(), o.restore_share())
-        print(policy, batch, round(out[batch][0], 2), flush=True)
-    return out
+def outcome(cfg: Config, name: str) -> Outcomes:
+    if name == "elastic_hrrs":
+        return run(cfg, "elastic", "hrrs")
+    return run(cfg, name)
 
 
-def search(policy: str, base: Config, target: float) -> dict[str, Any]:
-    """The fewest GPUs (1..GPUS) on which ``policy`` reaches ``target`` at the equal-ACT batch."""
+def measure(cfg: Config, name: str) -> dict[str, Any]:
+    """ACT, restore share and Table 1's breakdown of ``name`` on ``cfg``."""
+    o = outcome(cfg, name)
+    print(name, cfg.batch, cfg.gpus, round(o.mean_act(), 2), flush=True)
+    return {
+        "act_s": _round(o.mean_act()),
+        "restore_share": round(o.restore_share(), 3),
+        "restores_per_call": round(o.restores / max(o.served, 1), 3),
+        "restores_beside_a_copy_per_call": round(o.restores_beside_copy / max(o.served, 1), 3),
+        "calls_per_dop": {str(d): n for d, n in sorted(o.dops.items())},
+        **{k: round(v, 3) for k, v in o.breakdown().items()},
+    }
+
+
+def search(name: str, base: Config, target: float) -> dict[str, Any]:
+    """The fewest GPUs (1..MAX_GPUS) on which ``name`` reaches ``target`` at the equal-ACT
+    batch; also Figure 8(b) left's point there (on ``GPUS``)."""
     cfg = replace(base, batch=EQUAL_ACT_BATCH)
     acts: dict[int, float] = {}
-    full = run(replace(cfg, gpus=GPUS), policy)  # also Figure 8(b) left's point at this batch
-    acts[GPUS] = full.mean_act()
-    point = {"act_s": acts[GPUS], "restore_share": full.restore_share()}
+    point = measure(replace(cfg, gpus=GPUS), name)
+    acts[GPUS] = point["act_s"] if point["act_s"] is not None else math.inf
 
     def act(gpus: int) -> float:
         if gpus not in acts:
-            acts[gpus] = run(replace(cfg, gpus=gpus), policy).mean_act()
-            print(policy, "on", gpus, "GPUs:", round(acts[gpus], 2), flush=True)
+            acts[gpus] = outcome(replace(cfg, gpus=gpus), name).mean_act()
+            print(name, "on", gpus, "GPUs:", round(acts[gpus], 2), flush=True)
         return acts[gpus]
 
-    if act(GPUS) > target:
-        return {"gpus": None, "tried": _finite(acts), "point": point}
-    lo, hi = 0, GPUS  # act(lo) misses (0 GPUs serve nothing), act(hi) reaches
+    hi = GPUS if act(GPUS) <= target else MAX_GPUS
+    if act(hi) > target:
+        return {"gpus": None, "tried": _tried(acts), "point": point}
+    lo = 0 if hi == GPUS else GPUS  # act(lo) misses (0 GPUs serve nothing)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if act(mid) <= target else (mid, hi)
     return {
         "gpus": hi,
-        "act_s": round(acts[hi], 2),
+        "act_s": _round(acts[hi]),
         "act_s_one_fewer": _round(acts.get(hi - 1, math.inf)),
-        "tried": _finite(acts),
+        "tried": _tried(acts),
         "point": point,
     }
 
@@ -93,78 +115,170 @@ def _round(x: float) -> float | None:
     return round(x, 2) if math.isfinite(x) else None
 
 
-def _finite(acts: dict[int, float]) -> dict[str, float | None]:
+def _tried(acts: dict[int, float]) -> dict[str, float | None]:
     return {str(g): _round(a) for g, a in sorted(acts.items())}
 
 
+def variants(base: Config) -> dict[str, tuple[str, Config]]:
+    """One change at a time of what the paper does not give: name -> (what, config)."""
+    maas = base.maas
+    return {
+        "uniform_32b": ("all ten teachers 32B", replace(base, sizes_b=UNIFORM_32B)),
+        "parallel_0.95": ("Amdahl parallel fraction 0.95", replace(base, parallel=0.95)),
+        "task_window_0.1": (
+            "a task's calls within 10% of the rollout",
+            replace(base, task_window=0.1),
+        ),
+        "task_window_1": ("every task over the whole rollout", replace(base, task_window=1.0)),
+        "restore_x4": (
+            "restore 4x our measured bandwidth (Hopper-class PCIe 5 host-to-device)",
+            replace(base, restore_gb_per_s=4 * base.restore_gb_per_s),
+        ),
+        "seed_1": ("another draw of the workload", replace(base, seed=1)),
+        "seed_2": ("another draw of the workload", replace(base, seed=2)),
+        "maas_startup_10s": (
+            "ServerlessLLM instance start 10 s besides the load",
+            replace(base, maas=replace(maas, startup_s=10.0)),
+        ),
+        "maas_4_gpus": (
+            "ServerlessLLM instances on 4 GPUs (the SGLang deployment's TP)",
+            replace(base, maas=replace(maas, num_gpus=4)),
+        ),
+        "maas_tick_0.1s": (
+            "ServerlessLLM control loops every 0.1 s instead of 1 s",
+            replace(base, maas=replace(maas, tick_s=0.1)),
+        ),
+    }
+
+
+def _sensitivity_jobs(base: Config) -> list[tuple[str, str, Config]]:
+    jobs = []
+    for key, (_, cfg) in variants(base).items():
+        cfg = replace(calibrated(cfg), batch=EQUAL_ACT_BATCH)
+        names = ("maas",) if key.startswith("maas") else ("elastic", "elastic_hrrs", "maas")
+        jobs += [(key, n, cfg) for n in names]
+    return jobs
+
+
 def main() -> None:
-    base = Config(gpus=GPUS, restore_gb_per_s=bandwidth())
+    base = calibrated(Config(gpus=GPUS, restore_gb_per_s=bandwidth()))
     dedicated = {b: run(replace(base, batch=b), "dedicated").mean_act() for b in BATCHES}
     target = dedicated[EQUAL_ACT_BATCH]
-    jobs: list[tuple[Callable[..., Any], tuple[Any, ...]]] = [
-        (search, ("elastic", base, target)),
-        (points_of, ("elastic", base)),
-        (search, ("maas", base, target)),
-        (points_of, ("maas", base)),
-    ]
     with ProcessPoolExecutor(max_workers=2) as pool:
-        futures = [pool.submit(fn, *args) for fn, args in jobs]
-        found_e, pts_e, found_m, pts_m = (f.result() for f in futures)
-    for found, pts in ((found_e, pts_e), (found_m, pts_m)):
-        point = found.pop("point")
-        pts[EQUAL_ACT_BATCH] = (point["act_s"], point["restore_share"])
-    measured = {"elastic": pts_e, "maas": pts_m}
+        searches = {n: pool.submit(search, n, base, target) for n in POOLED}
+        pts: dict[tuple[str, int], Future[dict[str, Any]]] = {
+            (n, b): pool.submit(measure, replace(base, batch=b), n)
+            for b in BATCHES
+            if b != EQUAL_ACT_BATCH
+            for n in POOLED
+        }
+        pts["elastic", 3072] = pool.submit(measure, replace(base, batch=3072), "elastic")
+        sens = {(key, n): pool.submit(measure, cfg, n) for key, n, cfg in _sensitivity_jobs(base)}
+        found = {n: f.result() for n, f in searches.items()}
+        measured = {k: f.result() for k, f in pts.items()}
+        sens_out = {k: f.result() for k, f in sens.items()}
+    for n in POOLED:
+        measured[n, EQUAL_ACT_BATCH] = found[n].pop("point")
+    result = assemble(base, dedicated, found, measured, sens_out)
+    (OUT / "fig8b.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["gpus_for_equal_act"]), flush=True)
+    plot(result["points"], result["gpus_for_equal_act"]["10"])
+
+
+def assemble(
+    base: Config,
+    dedicated: dict[int, float],
+    found: dict[str, dict[str, Any]],
+    measured: dict[tuple[str, int], dict[str, Any]],
+    sens: dict[tuple[str, str], dict[str, Any]],
+) -> dict[str, Any]:
     points = {
         str(b): {
-            "elastic": round(pts_e[b][0], 2),
+            **{n: measured[n, b]["act_s"] for n in POOLED},
             "dedicated": round(dedicated[b], 2),
-            "maas": round(pts_m[b][0], 2),
         }
         for b in BATCHES
     }
-    share = {str(b): {p: round(measured[p][b][1], 3) for p in POOLED} for b in BATCHES}
     at = points[str(EQUAL_ACT_BATCH)]
-    result = {
+    return {
         "points": points,
         "gpus_for_equal_act": {
-            "10": {
-                "elastic": found_e["gpus"],
-                "dedicated": dedicated_gpus(base),
-                "maas": found_m["gpus"],
-            }
+            "10": {**{n: found[n]["gpus"] for n in POOLED}, "dedicated": dedicated_gpus(base)}
         },
         "equal_act_search": {
             "batch": EQUAL_ACT_BATCH,
-            "target_act_s": round(target, 2),
-            "elastic": found_e,
-            "maas": found_m,
+            "target_act_s": round(dedicated[EQUAL_ACT_BATCH], 2),
+            **found,
         },
-        "restore_share": share,
+        "restore_share": {
+            str(b): {n: measured[n, b]["restore_share"] for n in POOLED} for b in BATCHES
+        },
         "restore_gb_per_s": base.restore_gb_per_s,
-        "act_ratio_dedicated_over_elastic_at_1024": round(at["dedicated"] / at["elastic"], 2),
-        "act_ratio_maas_over_elastic_at_1024": round(at["maas"] / at["elastic"], 2),
+        "act_ratio_dedicated_over_elastic_at_1024": _ratio(at["dedicated"], at["elastic"]),
+        "act_ratio_dedicated_over_elastic_hrrs_at_1024": _ratio(
+            at["dedicated"], at["elastic_hrrs"]
+        ),
+        "act_ratio_maas_over_elastic_at_1024": _ratio(at["maas"], at["elastic"]),
+        "table1": {str(b): {"paper": TABLE1[b], "elastic": measured["elastic", b]} for b in TABLE1},
+        "breakdown_at_1024": {n: measured[n, EQUAL_ACT_BATCH] for n in POOLED},
+        "workload": {
+            **{k: v for k, v in asdict(base).items() if k not in ("batch", "gpus")},
+            "calibration": {
+                "dedicated_act_s_at_2048": round(dedicated[SGLANG_BATCH], 2),
+                "paper_dedicated_act_s_at_2048": round(SGLANG_ACT_S, 2),
+            },
+        },
+        "sensitivity": sensitivity(base, sens),
     }
-    (OUT / "fig8b.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result["gpus_for_equal_act"]), flush=True)
-    plot(points, result["gpus_for_equal_act"]["10"])
 
 
-def plot(points: dict[str, dict[str, float]], gpus: dict[str, int | None]) -> None:
+def sensitivity(base: Config, sens: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, (what, cfg) in variants(base).items():
+        cal = replace(calibrated(cfg), batch=EQUAL_ACT_BATCH)
+        row: dict[str, Any] = {
+            "what": what,
+            "rollout_s": cal.rollout_s,
+            "dedicated": _round(run(cal, "dedicated").mean_act()),
+        }
+        for (k, n), m in sens.items():
+            if k == key:
+                row[n] = m["act_s"]
+                row[f"{n}_restore_share"] = m["restore_share"]
+        out[key] = row
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a is not None and b else None
+
+
+def plot(points: dict[str, dict[str, float | None]], gpus: dict[str, int | None]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     xs = [int(b) for b in points]
     for p in POLICIES:
-        left.plot(xs, [points[str(b)][p] for b in xs], marker="o", label=p)
+        ys = [points[str(b)][p] for b in xs]
+        left.plot(xs, [math.nan if y is None else y for y in ys], marker="o", label=p)
+    left.set_xscale("log", base=2)
+    left.set_xticks(xs, [str(x) for x in xs])
     left.set_xlabel("RL batch size")
     left.set_ylabel("average ACT per trajectory (s)")
     left.set_yscale("log")
     left.legend()
-    names = [p for p in POLICIES if gpus.get(p) is not None]
-    right.bar(names, [gpus[p] or 0 for p in names])
+    names = list(POLICIES)
+    heights = [gpus.get(p) or MAX_GPUS for p in names]
+    bars = right.bar(names, heights)
+    for bar, p in zip(bars, names, strict=True):
+        label = str(gpus[p]) if gpus.get(p) is not None else f"> {MAX_GPUS}"
+        right.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center")
+        if gpus.get(p) is None:
+            bar.set_hatch("//")
+            bar.set_alpha(0.4)
     right.set_ylabel(f"GPUs for dedicated's ACT\n(10 services, batch {EQUAL_ACT_BATCH})")
     fig.tight_layout()
     fig.savefig(OUT / "fig8b.png", dpi=120)

@@ -4,13 +4,15 @@ the scheduler core keep the GPU invariants."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from services.scheduler.core.effects import StartOnNode
 from services.scheduler.sim import mopd_gpu as m
+from services.scheduler.sim import mopd_workload as w
 
-SMALL = m.Config(batch=24, bursts=2, burst_period_s=20.0, gpus=12, restore_gb_per_s=10.0)
+SMALL = m.Config(batch=24, rollout_s=20.0, gpus=12, restore_gb_per_s=10.0)
 
 
 def test_nodes_are_eight_gpus_and_the_rest() -> None:
@@ -39,9 +41,9 @@ def test_every_teacher_offers_the_levels_its_memory_allows() -> None:
         assert t.dops == tuple(d for d in (1, 2, 4, 8) if d >= smallest)
 
 
-@pytest.mark.parametrize("policy", ["elastic", "maas"])
+@pytest.mark.parametrize("order", ["fcfs", "hrrs"])
 def test_pooled_never_two_calls_on_one_gpu_and_serves_all(
-    policy: str, monkeypatch: pytest.MonkeyPatch
+    order: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     held: dict[tuple[str, int], str] = {}
     start, complete = m.Pooled._start, m.Pooled._complete
@@ -59,17 +61,48 @@ def test_pooled_never_two_calls_on_one_gpu_and_serves_all(
 
     monkeypatch.setattr(m.Pooled, "_start", on_start)
     monkeypatch.setattr(m.Pooled, "_complete", on_complete)
-    out = m.run(SMALL, policy)
+    out = m.run(SMALL, "elastic", order)
     assert out.served == out.calls
     assert math.isfinite(out.mean_act())
     assert 0.0 < out.restore_share() < 1.0
     assert not held
 
 
-def test_a_call_no_node_can_hold_makes_the_act_infinite() -> None:
-    """One GPU cannot hold a 70 GB teacher (it needs two): its calls are never served."""
-    cfg = m.Config(batch=40, bursts=1, gpus=1, restore_gb_per_s=10.0)
-    out = m.run(cfg, "maas")
-    assert any(c.teacher.dops[0] > 1 for c in m.workload(cfg))
+@pytest.mark.parametrize("policy", ["elastic", "maas"])
+def test_a_call_no_node_can_hold_makes_the_act_infinite(policy: str) -> None:
+    """One GPU cannot hold a 60B teacher (it needs two): its calls are never served."""
+    cfg = m.Config(batch=40, gpus=1, sizes_b=(60.0,) * 10, restore_gb_per_s=10.0)
+    assert all(t.dops[0] == 2 for t in m.teachers(cfg))
+    out = m.run(cfg, policy)
     assert out.served < out.calls
     assert out.mean_act() == math.inf
+
+
+def test_one_call_per_trajectory_within_its_task_window() -> None:
+    """§6.1: a trajectory's log-probabilities against its task's teacher, once; each task's
+    trajectories finish within ``task_window`` of the rollout."""
+    cfg = m.Config(batch=500, rollout_s=60.0)
+    calls = m.workload(cfg)
+    assert sorted(c.trajectory for c in calls) == list(range(cfg.batch))
+    for t in m.teachers(cfg):
+        at = [c.at for c in calls if c.teacher == t]
+        assert min(at) >= 0.0
+        assert max(at) <= cfg.rollout_s
+        assert max(at) - min(at) <= cfg.task_window * cfg.rollout_s
+
+
+def test_a_call_on_one_gpu_is_its_prefill_compute() -> None:
+    cfg = m.Config(tokens=8192, gpu_tflops=400.0)
+    t = w.teacher("x", 32.8, cfg)
+    assert t.t1_s == pytest.approx(2 * 32.8e9 * 8192 / 400e12)
+    assert t.dops == (1, 2, 4, 8)  # 61 GiB fit in 80% of an 80 GB GPU
+    assert w.teacher("y", 60.0, cfg).dops == (2, 4, 8)  # 112 GiB: two GPUs at least
+
+
+def test_calibration_gives_the_papers_sglang_act_at_2048() -> None:
+    """§6.3 and Table 1: SGLang's ACT at batch 2048 is 18.1 x Tangram's 0.903 s."""
+    cfg = m.calibrated(m.Config())
+    assert cfg.rollout_s == pytest.approx(m.Config().rollout_s, abs=0.1)
+    act = m.run(replace(cfg, batch=w.SGLANG_BATCH), "dedicated").mean_act()
+    assert act == pytest.approx(w.SGLANG_ACT_S, rel=0.01)
+    assert w.SGLANG_ACT_S == pytest.approx(18.1 * (0.621 + 0.081 + 0.201))

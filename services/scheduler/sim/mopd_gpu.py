@@ -1,55 +1,29 @@
-"""Figure 8(b)'s workload on GPUs: multi-teacher distillation (MOPD) against pooled reward
-services, through the live scheduler core, and its two baselines.
+"""Figure 8(b) on GPUs: the MOPD workload (``mopd_workload``) through the live scheduler core on
+pooled GPUs, and its two baselines (``mopd_baselines``).
 
-Workload: ``batch`` trajectories (the paper's RL batch size, §6.3: trajectories per batch);
-each makes 1-3 calls to teacher services drawn from 10 of different sizes (weights 3-70 GB);
-the calls come in bursts (rollouts finish together, every ``burst_period_s``), each burst one
-task domain calling ``hot`` of the teachers. A call's time on ``m`` GPUs is Amdahl's (``t1_s``
-on one GPU, parallel fraction ``parallel``). These workload figures are ours (the paper gives
-no trace) and were left as they were; what changed is how the systems are modelled.
-
-Policies (``run``), all on the same ``gpus`` (40: the paper's five 8-GPU nodes, §6.1):
+Policies (``run``), all on ``cfg.gpus`` GPUs but dedicated (which is its deployment):
 - ``elastic`` -- Tangram: the scheduler core (elastic DoP over buddy chunks, Algorithm 4,
-  residency-aware, restore cost in the duration) on pooled GPUs. The simulated agents keep
-  each GPU's memory with LRU eviction and report residency after every change, as the
-  gpu_manager does; a call whose variant is not resident on its chunk first restores it
-  (footprint / the measured restore bandwidth) and evicts without write-back (EOE, §5.3).
-- ``maas`` -- model-as-a-service without elastic reallocation (the ServerlessLLM baseline):
-  the same pooled GPUs, restores and LRU, through the same core with the ``min`` policy: every
-  call on its service's fixed deployment (its smallest variant: the fewest GPUs that hold it),
-  replicas scaled per call, FCFS.
-- ``dedicated`` -- SGLang: one server per service with tensor parallelism over 4 GPUs, always
-  resident, serving its calls FCFS.
+  residency-aware, restore cost in the duration, FCFS, depth 2: §4.2, §6.1) on pooled GPUs.
+  The simulated agents keep each GPU's memory with LRU eviction and report residency after
+  every change, as the gpu_manager does; a call whose variant is not resident on its chunk
+  first restores it (footprint / the measured restore bandwidth) and evicts without
+  write-back (EOE, §5.3). ``order="hrrs"`` orders the candidates by plexrl's HRRS instead.
+- ``dedicated`` -- SGLang: one server per teacher, tensor parallel over 4 GPUs (§6.1).
+- ``maas`` -- ServerlessLLM, model-as-a-service without elastic reallocation (§6.3).
 
-Modelling notes (each a fix of an earlier departure from the paper or from the systems):
-- Dedicated is the paper's baseline, 4 GPUs per model with TP (§6.1: "for MOPD+Search, 10
-  reward services ... each model with four GPUs with TP"; §6.3's "over-provisioned baseline"
-  for 10 services = 40 GPUs). It was a load-proportional split into 1-GPU replicas, a
-  deployment that needs the load known in advance and is not what the paper measured.
-- Every teacher offers every chunk level its memory allows (DoP 1/2/4/8, §5.3: a ∈ {0..3};
-  the 70 GB ones from 2). Small teachers were capped at DoP 2 and medium ones at 4, so elastic
-  could not take a larger chunk when the pool was idle, and the SGLang baseline's TP=4 did not
-  exist for them.
-- Batching: the same rule for all three, one call at a time per server or chunk. A teacher
-  call computes log-probabilities of a whole trajectory: a prefill of thousands of tokens,
-  compute-bound (arithmetic intensity ~L FLOP/byte for L tokens in bf16 against a Hopper
-  GPU's ~300 FLOP/byte ridge), so batching b calls takes about b times one call's compute:
-  it adds no throughput, and SGLang's prefill token budget (chunked prefill) holds about one
-  such trajectory per pass, serving them in arrival order. ``t1_s`` is that compute. The
-  earlier attempt that co-batched calls for free in the pooled policies modelled compute that
-  does not exist; so ``max_batch=1`` for the pooled services and FCFS per dedicated server.
-- Pool layout: ``gpus`` GPUs as 8-GPU nodes plus one node with the rest (12 GPUs: 8 + 4), so
-  the search over GPU counts (``bench/fig8b.py``) runs the real buddy rule on legal nodes; it
-  was ``gpus // 8`` equal nodes (12 GPUs became one 12-GPU node).
-- A call never served (no node can hold its teacher) makes the ACT infinite instead of being
-  left out of the average.
-- The simulated agents list the calls they run in every report, as the gpu_manager does
-  (the core otherwise redoes an unlisted dispatch after its grace, double-booking GPUs), and
+Modelling notes:
+- One call at a time per chunk or server, for every policy: a teacher call is a prefill of
+  thousands of tokens, compute-bound (arithmetic intensity ~L FLOP/byte for L tokens in bf16
+  against a Hopper GPU's ~300 FLOP/byte ridge), so co-batching b calls takes about b times one
+  call: ``max_batch=1`` for the pooled services, FCFS per dedicated server.
+- Pool layout: 8-GPU nodes plus one node with the rest, so the search over GPU counts
+  (``bench/fig8b.py``) runs the real buddy rule on legal nodes.
+- A call never served (no node can hold its teacher) makes the ACT infinite.
+- The simulated agents list the calls they run in every report, as the gpu_manager does, and
   report at the simulated time. A pass is skipped when every GPU is busy: with one call per
-  chunk it could start nothing (same decisions, checked; the run takes a fraction as long).
-- Restores are charged at the agent's measured bandwidth (``bench/results/gpu.json``) for the
-  whole model, not per GPU shard in parallel: the conservative reading, and the one the
-  scheduler core itself prices grants with.
+  chunk it could start nothing (same decisions; the run takes a fraction as long).
+- Restores are charged for the whole model at the measured bandwidth, not per GPU shard in
+  parallel: the conservative reading, and the one the scheduler core prices grants with.
 
 The metric is the paper's §6.3 one: total ACT per trajectory, averaged over trajectories.
 """
@@ -57,14 +31,27 @@ The metric is the paper's §6.3 one: total ACT per trajectory, averaged over tra
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass, field, replace
 
 from services.scheduler.core.effects import StartOnNode
 from services.scheduler.core.scheduler import CoreConfig, SchedulerCore
 from services.scheduler.policies.spec import make_policy
+from services.scheduler.sim.mopd_baselines import dedicated_gpus, run_dedicated, run_maas
+from services.scheduler.sim.mopd_workload import (
+    GPU_MEMORY_MB,
+    SGLANG_ACT_S,
+    SGLANG_BATCH,
+    TEACHERS,
+    Call,
+    Config,
+    Outcomes,
+    Teacher,
+    node_sizes,
+    teachers,
+    workload,
+)
 from tangram.contract import (
     ActionSpec,
     Completion,
@@ -81,112 +68,23 @@ from tangram.contract import (
     UnifiedAction,
 )
 
-GPU_MEMORY_MB = 80 * 1024
-GPUS_PER_NODE = 8
-
-
-@dataclass(frozen=True, slots=True)
-class Teacher:
-    name: str
-    weights_gb: float
-    dops: tuple[int, ...]
-    t1_s: float  # one call on one GPU
-
-    def duration(self, m: int, parallel: float) -> float:
-        return self.t1_s * ((1.0 - parallel) + parallel / m)
-
-    def footprint_mb(self, dop: int) -> int:
-        return int(self.weights_gb * 1024)
-
-
-# Ten teachers of different sizes (1.5B-35B-like in bf16); every DoP level their memory
-# allows: the 70 GB ones need two 80 GB GPUs.
-TEACHERS = (
-    Teacher("t0", 3, (1, 2, 4, 8), 0.6),
-    Teacher("t1", 3, (1, 2, 4, 8), 0.6),
-    Teacher("t2", 8, (1, 2, 4, 8), 1.2),
-    Teacher("t3", 8, (1, 2, 4, 8), 1.2),
-    Teacher("t4", 16, (1, 2, 4, 8), 2.0),
-    Teacher("t5", 16, (1, 2, 4, 8), 2.0),
-    Teacher("t6", 30, (1, 2, 4, 8), 3.5),
-    Teacher("t7", 30, (1, 2, 4, 8), 3.5),
-    Teacher("t8", 70, (2, 4, 8), 6.0),
-    Teacher("t9", 70, (2, 4, 8), 6.0),
-)
-DEDICATED_TP = 4  # §6.1: the SGLang baseline gives each model four GPUs with TP
-
-
-def node_sizes(gpus: int) -> list[int]:
-    """``gpus`` GPUs as 8-GPU nodes and one node with the rest."""
-    full, rest = divmod(gpus, GPUS_PER_NODE)
-    return [GPUS_PER_NODE] * full + ([rest] if rest else [])
-
-
-@dataclass(frozen=True, slots=True)
-class Config:
-    batch: int = 1024
-    calls: tuple[int, int] = (1, 3)
-    bursts: int = 5
-    hot: int = 3  # teachers a burst's task domain calls
-    burst_period_s: float = 60.0
-    parallel: float = 0.85
-    gpus: int = 40
-    restore_gb_per_s: float = 9.38
-    services: int = 10
-    seed: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Call:
-    call_id: str
-    trajectory: int
-    teacher: Teacher
-    at: float
-
-
-def workload(cfg: Config) -> list[Call]:
-    """Bursty MOPD: each burst is one task domain whose trajectories call its ``hot`` teachers
-    (so which services are busy shifts from burst to burst, as a dedicated deployment sized for
-    each service's own peak cannot follow)."""
-    rng = np.random.default_rng(cfg.seed)
-    teachers = TEACHERS[: cfg.services]
-    domains = [
-        rng.choice(len(teachers), min(cfg.hot, len(teachers)), False) for _ in range(cfg.bursts)
-    ]
-    out = []
-    for i in range(cfg.batch):
-        burst = int(rng.integers(0, cfg.bursts))
-        base = burst * cfg.burst_period_s + float(rng.exponential(2))
-        for k in range(int(rng.integers(cfg.calls[0], cfg.calls[1] + 1))):
-            t = teachers[int(rng.choice(domains[burst]))]
-            out.append(Call(f"c{i}-{k}", i, t, base + k * float(rng.exponential(1.0))))
-    return sorted(out, key=lambda c: (c.at, c.call_id))
-
-
-@dataclass
-class Outcomes:
-    calls: int  # calls made: fewer served means some were never (an infinite ACT)
-    act_s: dict[int, float] = field(default_factory=dict)  # trajectory -> total ACT
-    served: int = 0
-    exec_s: float = 0.0  # execution, restores included
-    restore_s: float = 0.0
-
-    def add(self, call: Call, done: float, exec_s: float, restore_s: float) -> None:
-        self.act_s[call.trajectory] = self.act_s.get(call.trajectory, 0.0) + done - call.at
-        self.served += 1
-        self.exec_s += exec_s
-        self.restore_s += restore_s
-
-    def mean_act(self) -> float:
-        if self.served < self.calls:
-            return float("inf")
-        return float(np.mean(list(self.act_s.values()))) if self.act_s else 0.0
-
-    def restore_share(self) -> float:
-        """Restore time over execution time with restores (the paper's Table 1 reading:
-        overhead / (execution + overhead))."""
-        return self.restore_s / self.exec_s if self.exec_s else 0.0
-
+__all__ = [
+    "GPU_MEMORY_MB",
+    "TEACHERS",
+    "Call",
+    "Config",
+    "Outcomes",
+    "Pooled",
+    "Teacher",
+    "calibrated",
+    "dedicated_gpus",
+    "node_sizes",
+    "run",
+    "run_dedicated",
+    "run_maas",
+    "teachers",
+    "workload",
+]
 
 # ---------------------------------------------------------------------- pooled (core)
 
@@ -231,7 +129,8 @@ class Pooled:
         self.cfg = cfg
         core_cfg = CoreConfig(gpu_order=order, queue_timeout_s=None)  # type: ignore[arg-type]
         self.core = SchedulerCore(make_policy(policy), core_cfg)
-        self.teachers = {t.name: t for t in TEACHERS[: cfg.services]}
+        self.teachers = {t.name: t for t in teachers(cfg)}
+        self.beside_copy = 0  # restores while a copy of the teacher sat on other GPUs
         # max_batch=1: compute-bound calls gain nothing from batching (module docstring);
         # the dedicated servers follow the same rule.
         specs = [
@@ -292,7 +191,7 @@ class Pooled:
                     start, exec_s, restore = pending.pop(cid)
                     busy -= len(start.gpus)
                     self._complete(start, now, exec_s, restore)
-                    out.add(by_id[cid], now, exec_s + restore, restore)
+                    out.add(by_id[cid], now, exec_s + restore, restore, len(start.gpus))
                 else:
                     self.core.enqueue(_unified(by_id[cid], self.cfg.parallel), now)
             if busy >= self.cfg.gpus:
@@ -304,6 +203,7 @@ class Pooled:
                     pending[e.action.spec.action_id] = (e, exec_s, restore)
                     seq += 1
                     heapq.heappush(events, (now + exec_s + restore, seq, e.action.spec.action_id))
+        out.restores_beside_copy = self.beside_copy
         return out
 
     def _start(self, e: StartOnNode, now: float) -> tuple[float, float]:
@@ -311,9 +211,11 @@ class Pooled:
         node = self.nodes[e.node_id]
         node.running[e.action.spec.action_id] = e
         dop = len(e.gpus)
+        copy = any(n.where((t.name, d)) for n in self.nodes.values() for d in t.dops)
         cold = node.restore((t.name, dop), e.gpus, t.footprint_mb(dop))
         restore = t.footprint_mb(dop) / 1024 / self.cfg.restore_gb_per_s if cold else 0.0
         if cold:
+            self.beside_copy += copy
             self.core.node_report(self._report(node), now)  # residency changed
         return t.duration(dop, self.cfg.parallel), restore
 
@@ -348,30 +250,28 @@ def _unified(c: Call, parallel: float) -> UnifiedAction:
     )
 
 
-# ---------------------------------------------------------------------- dedicated
-
-
-def run_dedicated(cfg: Config, calls: list[Call]) -> Outcomes:
-    """One SGLang server per service at TP ``DEDICATED_TP``, always resident, FCFS (calls come
-    sorted by arrival). Its GPUs are ``DEDICATED_TP`` per service whatever ``cfg.gpus`` is:
-    the baseline is defined by its deployment, not by the pool."""
-    out = Outcomes(len(calls))
-    free = {t.name: 0.0 for t in TEACHERS[: cfg.services]}
-    for c in calls:
-        dop = max(DEDICATED_TP, c.teacher.dops[0])
-        start = max(free[c.teacher.name], c.at)
-        exec_s = c.teacher.duration(dop, cfg.parallel)
-        free[c.teacher.name] = start + exec_s
-        out.add(c, start + exec_s, exec_s, 0.0)
-    return out
-
-
-def dedicated_gpus(cfg: Config) -> int:
-    return sum(max(DEDICATED_TP, t.dops[0]) for t in TEACHERS[: cfg.services])
+def calibrated(cfg: Config, act_s: float = SGLANG_ACT_S, batch: int = SGLANG_BATCH) -> Config:
+    """``cfg`` with the rollout length at which the SGLang baseline's average ACT at ``batch``
+    is ``act_s`` (the paper's, by default): the call rate of the workload. Bisection in log
+    space; the baseline's ACT falls as the same arrivals are spread over a longer rollout."""
+    lo, hi = 1.0, 1e6
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        probe = replace(cfg, batch=batch, rollout_s=mid)
+        if run_dedicated(probe, workload(probe)).mean_act() > act_s:
+            lo = mid
+        else:
+            hi = mid
+    return replace(cfg, rollout_s=round(hi, 1))
 
 
 def run(cfg: Config, policy: str, order: str = "fcfs") -> Outcomes:
+    """``cfg``'s workload under ``policy``: elastic, dedicated or maas."""
     calls = workload(cfg)
     if policy == "dedicated":
         return run_dedicated(cfg, calls)
-    return Pooled(cfg, "min" if policy == "maas" else "elastic", order).run(calls)
+    if policy == "maas":
+        return run_maas(cfg, calls)
+    if policy != "elastic":
+        raise ValueError(f"unknown policy {policy!r}; known: elastic, dedicated, maas")
+    return Pooled(cfg, "elastic", order).run(calls)
