@@ -43,6 +43,7 @@ class Counters:
     in_flight: int = 0
     peak_in_flight: int = 0
     arrived: int = 0  # every request to /call, answered or not
+    peak_per_second: int = 0  # the most requests accepted within any one second
     credentials: set[str] = field(default_factory=set)  # Authorization values seen (not in /stats)
 
     def as_json(self) -> dict[str, object]:
@@ -107,6 +108,7 @@ class RateLimitedServer:
             self.counters.throttled[job] += 1
             return self._throttled(*refusal)
         self._accepted.append(now)
+        self.counters.peak_per_second = max(self.counters.peak_per_second, len(self._accepted))
         headers = self._remaining(now)
         self.counters.in_flight += 1
         self.counters.peak_in_flight = max(self.counters.peak_in_flight, self.counters.in_flight)

@@ -11,11 +11,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import asyncpg
 import msgspec
 
+from tangram import db
 from tangram.bus import Bus
 from tangram.client import Client
 from tangram.contract import ActionResult, Commands, Completions, NodeCommand, NodeMessage, codec
+from tangram.embedded import EmbeddedPostgres
 from tangram.launcher import Mesh, MeshOptions
 
 T = TypeVar("T")
@@ -81,6 +84,21 @@ async def running_mesh(
         yield mesh
     finally:
         await mesh.stop()
+
+
+@contextlib.asynccontextmanager
+async def postgres_pool(root: Path, max_size: int = 4) -> AsyncIterator[asyncpg.Pool]:
+    """A migrated pool on a Postgres of its own under ``root`` (fsync off), stopped on exit."""
+    pg = await asyncio.to_thread(EmbeddedPostgres(root, fsync=False).start)
+    try:
+        pool = await db.connect(pg.dsn, max_size=max_size)
+        try:
+            await db.migrate(pool)
+            yield pool
+        finally:
+            await pool.close()
+    finally:
+        await asyncio.to_thread(pg.stop)
 
 
 def unbatched(msg: NodeMessage) -> list[NodeMessage]:

@@ -330,7 +330,10 @@ class Held:
                 await self._pool.release(conn, timeout=5)
 
 
-# Writers know their batch is small; a generic plan (asyncpg prepares and reuses statements)
-# cannot, and for an ``unnest`` join it scans every open action (3.3 ms per execution at 20k
-# open rows against 0.15 ms for a custom plan): the overload cliff of a growing backlog.
-CUSTOM_PLANS = "SET plan_cache_mode = force_custom_plan"
+# A writer's statements are planned once (asyncpg prepares them; the plan is reused): planning
+# each execution cost 0.24 ms of Postgres CPU per write, and a custom plan did not avoid the
+# overload cliff either (a write going through the index of open actions: 3.3-10 ms per
+# execution at 20k open rows). What avoids it is the statements' own form: they find their
+# rows by primary key whatever the plan (see services/scheduler/store.py, and
+# tests/integration/test_write_plans.py, which holds them to it with stale statistics).
+GENERIC_PLANS = "SET plan_cache_mode = force_generic_plan"

@@ -20,6 +20,11 @@ from services.scheduler.core.books import EnvPlacement
 from services.scheduler.core.effects import EnvChanged, Finish, StartOnNode
 from tangram.contract import UnifiedAction, codec, encode
 
+# An open action is one not terminal, said so, not as status IN ('queued', 'running'): that
+# would let the planner look the rows up through the partial index of open actions, which it
+# does when its statistics predate a backlog (measured: 4.7 ms a single-row write at 20k open
+# actions against 0.2 ms by primary key). Said so, the only index is the primary key.
+_TERMINAL = "'succeeded', 'failed', 'cancelled'"
 _LEAD = "lead AS (SELECT 1 FROM scheduler_leader WHERE id = 1 AND epoch = $%d FOR KEY SHARE)"
 
 _STARTED = f"""
@@ -30,7 +35,7 @@ WITH {_LEAD % 7}, t AS (
     UPDATE actions a SET status = 'running', attempt = t.attempt, node_id = t.node_id,
         incarnation = t.incarnation, cores = t.cores::int[], started_at = t.at,
         updated_at = now()
-    FROM t, lead WHERE a.action_id = t.action_id AND a.status IN ('queued', 'running')
+    FROM t, lead WHERE a.action_id = t.action_id AND a.status NOT IN ({_TERMINAL})
         AND a.attempt < t.attempt
     RETURNING a.action_id
 )
@@ -47,7 +52,7 @@ WITH {_LEAD % 9}, t AS (
 ), up AS (
     UPDATE actions a SET status = t.status, result = t.result, error_kind = t.error_kind,
         exit_code = t.exit_code, finished_at = t.at, attempt = t.attempt, updated_at = now()
-    FROM t, lead WHERE a.action_id = t.action_id AND a.status IN ('queued', 'running')
+    FROM t, lead WHERE a.action_id = t.action_id AND a.status NOT IN ({_TERMINAL})
     RETURNING a.action_id
 )
 INSERT INTO action_events (action_id, attempt, status, node_id, detail, at)

@@ -12,7 +12,7 @@ from nats.aio.msg import Msg
 
 from services.gateway.config import GatewayConfig
 from services.gateway.service import Gateway
-from tangram import db, subjects
+from tangram import subjects
 from tangram.bus import decode_reply
 from tangram.contract import (
     Accepted,
@@ -29,24 +29,19 @@ from tangram.contract import (
     StatusQuery,
     Submit,
 )
-from tangram.embedded import EmbeddedPostgres
 from tangram.errors import InvalidRequest, NotFound, RemoteError
 from tangram.membus import MemoryBroker, MemoryBus
 from tangram.subjects import SchedulerAnswer
+
+from ..support import postgres_pool
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 async def pool(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[asyncpg.Pool]:
-    pg = await asyncio.to_thread(EmbeddedPostgres(tmp_path_factory.mktemp("pg"), fsync=False).start)
-    try:
-        p = await db.connect(pg.dsn, max_size=4)
-        await db.migrate(p)
+    async with postgres_pool(tmp_path_factory.mktemp("pg")) as p:
         yield p
-        await p.close()
-    finally:
-        await asyncio.to_thread(pg.stop)
 
 
 class FakeScheduler:

@@ -81,7 +81,10 @@ async def test_rate_limit_held_and_nearly_reached(qclient, uid):
         took = time.monotonic() - t0
         assert server.counters.throttled == Counter()
     assert {s for _, s in done} == {200}
-    assert 2.9 <= took <= 6.0, took  # 40 calls at 10/s (a burst of 10 allowed at once)
+    assert took >= 2.9, took  # 40 calls at 10/s (a burst of 10 allowed at once)
+    # nearly reached: some second saw the whole limit (a bound on the total time would measure
+    # the machine's load, not the limiter)
+    assert server.counters.peak_per_second >= 9, server.counters.peak_per_second
 
 
 async def test_window_and_token_limits_queue_beyond_them(qclient, uid):

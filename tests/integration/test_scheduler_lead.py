@@ -18,23 +18,16 @@ from services.scheduler import store
 from services.scheduler.core.effects import EnvChanged
 from tangram import ActionSpec, ExecAction, db
 from tangram.client import Client
-from tangram.embedded import EmbeddedPostgres
 
-from ..support import eventually, running_mesh
+from ..support import eventually, postgres_pool, running_mesh
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
 async def pool(tmp_path: Path) -> AsyncIterator[asyncpg.Pool]:
-    pg = await asyncio.to_thread(EmbeddedPostgres(tmp_path / "pg", fsync=False).start)
-    try:
-        p = await db.connect(pg.dsn, max_size=4)
-        await db.migrate(p)
+    async with postgres_pool(tmp_path / "pg") as p:
         yield p
-        await p.close()
-    finally:
-        await asyncio.to_thread(pg.stop)
 
 
 def env(trajectory_id: str) -> EnvChanged:
