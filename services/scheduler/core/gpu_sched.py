@@ -11,6 +11,12 @@ arranged as one pool: the elastic policy chooses among the ready DoP variants ov
 free chunks (Algorithm 4), with the restore cost in the duration of a variant that is not
 resident where it would run; other policies give each call its smallest variant.
 
+Wait or restore (``gpu_wait``): before placement, a call whose service is resident on a busy
+chunk that would finish it sooner than a restore (counting the calls booked on that copy
+before it in the pass) stays queued this pass, and the elastic policy sees it behind its pool's
+candidates in its estimate only; the others go on as above. Calls booked behind busy copies do
+not take the window's places (up to ``WAIT_WINDOWS`` windows a pass).
+
 Co-batching (issue 11 item 3: one service's forward pass per GPU at a time, concurrent calls
 to it coalesced up to ``max_batch``). A busy chunk runs one variant of one service; a queued
 call to that variant (at a DoP it may run as) joins it while fewer than ``max_batch`` calls
@@ -35,12 +41,13 @@ the agent restarts (a new incarnation starts with every GPU it lists up).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
 import numpy as np
 
-from services.scheduler.core import gpu, gpu_share
+from services.scheduler.core import gpu, gpu_share, gpu_wait
 from services.scheduler.core.books import Dispatched, GpuFacts, Node
 from services.scheduler.core.effects import (
     Effect,
@@ -68,7 +75,6 @@ from services.scheduler.policies.chunks import fits_chunks_at_min
 from services.scheduler.policies.durations import (
     DEFAULT_DURATION_S,
     DurationLearner,
-    IntArray,
     resolve,
 )
 from tangram.contract import (
@@ -85,6 +91,7 @@ if TYPE_CHECKING:
     from services.scheduler.core.scheduler import SchedulerCore
 
 GpuOrder = Literal["fcfs", "hrrs"]
+WAIT_WINDOWS = 2  # the calls a pass looks at, in windows, when some wait for busy copies
 
 
 def profile_of(act: UnifiedAction) -> str:
@@ -123,6 +130,9 @@ class GpuScheduler:
         self._stale: set[str] = set()
         self._failed_on: set[str] | None = None  # the GPU nodes _failed was computed over
         self._shared: dict[tuple[str, tuple[int, ...]], gpu.Shared] = {}  # busy chunks
+        self._copies = gpu_wait.Copies({}, 0.0)  # per pass: where each service is resident
+        self._ends: dict[str, float] = {}  # a dispatched call -> its predicted end
+        self._chunk_ends: dict[tuple[str, tuple[int, ...]], float] = {}  # per pass, busy chunks
 
     # ------------------------------------------------------------------ services
 
@@ -237,17 +247,36 @@ class GpuScheduler:
         # joins take no free GPU: the free chunks (and what a grant would restore) hold
         self._free = {n.node_id: gpu.free_chunks(gpu.usable(_facts(n), n.free)) for n in live}
         self._costs = {}
+        self._chunk_ends = {}
+        self._copies = gpu_wait.Copies({n.node_id: self._times(n, now) for n in live}, now)
         rest: list[UnifiedAction] = []
-        for act in self._ordered(servable[: self.window], live, now):
-            joined = self._join(act, now)
-            if not joined:
-                rest.append(act)
-            effects += joined
+        behind: dict[str, list[UnifiedAction]] = {}  # node -> calls waiting for its copies
+        # a call booked behind a busy copy leaves its place in the window to the next one
+        # (at most WAIT_WINDOWS windows a pass, so a pass still costs the same under any backlog)
+        lo, hi = 0, min(self.window, len(servable))
+        while lo < hi:
+            waiting = 0
+            for act in self._ordered(servable[lo:hi], live, now):
+                joined = self._join(act, now)
+                if joined:
+                    effects += joined
+                elif (node_id := self._waits(act, live)) is not None:
+                    behind.setdefault(node_id, []).append(act)
+                    waiting += 1
+                else:
+                    rest.append(act)
+            lo, hi = hi, min(hi + waiting, WAIT_WINDOWS * self.window, len(servable))
         batch = self.services.__getitem__
         groups = gpu_share.groups(rest, self._floor, lambda name: batch(name).max_batch)
-        return effects + self._place(groups, live, now)
+        return effects + self._place(groups, behind, live, now)
 
-    def _place(self, groups: list[Group], live: list[Node], now: float) -> list[Effect]:
+    def _place(
+        self,
+        groups: list[Group],
+        behind: dict[str, list[UnifiedAction]],
+        live: list[Node],
+        now: float,
+    ) -> list[Effect]:
         """Each group to a node's pool, and each pool arranged by the policy."""
         pools: dict[str, list[Group]] = {}
         budget = {n.node_id: sum(gpu.usable(_facts(n), n.free)) for n in live}
@@ -258,7 +287,7 @@ class GpuScheduler:
                 budget[node.node_id] -= self._dops(group[0], node)[0]
         effects: list[Effect] = []
         for node_id, waiting in pools.items():
-            effects += self._admit(self.core.nodes[node_id], waiting, now)
+            effects += self._admit(self.core.nodes[node_id], waiting, behind.get(node_id, []), now)
         return effects
 
     @property
@@ -297,6 +326,52 @@ class GpuScheduler:
         if best is None:
             return []
         return self._dispatch(self.core.nodes[best[2]], act, best[3], now)
+
+    def _waits(self, act: UnifiedAction, live: list[Node]) -> str | None:
+        """The node whose busy copy of its service ``act`` waits for this pass (``gpu_wait``),
+        if it waits."""
+        name = service_of(act)
+        allowed = {n.node_id: self._dops(act, n) for n in live}
+        dops = sorted({d for ds in allowed.values() for d in ds})
+        if not dops:
+            return None
+        exec_s = dict(zip(dops, self._durations(act, dops), strict=True))
+        restore = {
+            (n.node_id, d): gpu.restore_s(_facts(n), name, d)
+            for n in live
+            for d in allowed[n.node_id]
+        }
+        max_batch = self.services[name].max_batch
+        return self._copies.waits(name, allowed, exec_s, restore, max_batch)
+
+    def _times(self, node: Node, now: float) -> gpu_wait.NodeTimes:
+        """When each GPU of ``node`` frees: its calls' predicted ends (``_end``)."""
+        runs = [
+            (r.cores, gpu_wait.NEVER if r.kill_by is not None else self._end(r, now))
+            for r in self.core.running.values()
+            if r.node_id == node.node_id and r.incarnation == node.incarnation
+        ]
+        runs += [
+            (r.cores, gpu_wait.NEVER)  # cancelled, not confirmed ended: may be stuck
+            for r in self.core.killed.values()
+            if r.node_id == node.node_id and r.incarnation == node.incarnation
+        ]
+        for gpus, end in runs:
+            key = (node.node_id, gpus)
+            self._chunk_ends[key] = max(end, self._chunk_ends.get(key, end))
+        running = {
+            gpus: (s.service, s.dop) for (n, gpus), s in self._shared.items() if n == node.node_id
+        }
+        return gpu_wait.node_times(node, runs, running, now)
+
+    def _end(self, run: Dispatched, now: float) -> float:
+        """When ``run`` frees its GPUs as this pass sees it: predicted at dispatch (restore
+        included), else (dispatched before a restart) its start plus its duration."""
+        aid = run.action.spec.action_id
+        end = self._ends.get(aid)
+        if end is None:
+            end = run.started_at + self._duration(run.action, len(run.cores))
+        return gpu_wait.until(end, run.started_at, now)
 
     def _cost(self, node: Node, service: str, dop: int) -> float:
         key = (node.node_id, service, dop)
@@ -383,22 +458,31 @@ class GpuScheduler:
         return gpu.hrrs_score(now - act.submitted_at, exec_s, setup)
 
     def _duration(self, act: UnifiedAction, dop: int) -> float:
+        return self._durations(act, (dop,))[0]
+
+    def _durations(self, act: UnifiedAction, dops: Sequence[int]) -> list[float]:
+        """Its expected execution at each of ``dops`` (restore excluded)."""
         hint = act.spec.duration
         t_ori = hint.t_ori_s if hint else None
         pf = hint.parallel_fraction if hint else None
         model = resolve(profile_of(act), t_ori, pf, self.learner)
         if model is None:
-            return DEFAULT_DURATION_S
-        return float(model.durations(gpu_units(dop))[0])
+            return [DEFAULT_DURATION_S] * len(dops)
+        return [float(x) for x in model.durations(np.asarray(dops, dtype=np.int64))]
 
-    def _admit(self, node: Node, groups: list[Group], now: float) -> list[Effect]:
+    def _admit(
+        self, node: Node, groups: list[Group], behind: list[UnifiedAction], now: float
+    ) -> list[Effect]:
+        """Arrange ``node``'s pool: ``groups`` may start; ``behind`` (calls waiting for its
+        busy copies, no restore) weigh in the elastic estimate only."""
         facts = _facts(node)
         chunks = gpu.free_chunks(gpu.usable(facts, node.free))
         views = [self._view(g[0], node, facts, chunks) for g in groups]
         counts = gpu.chunk_counts(chunks)
         if self.chunks is not None:
             running = self._running_views(node)
-            grants = self.chunks.arrange_chunks(views, counts, running, now)
+            later = [replace(self._view(a, node, facts, chunks), setup_s=()) for a in behind]
+            grants = self.chunks.arrange_chunks(views + later, counts, running, now, len(views))
         else:
             grants = [w.min for w in views[: fits_chunks_at_min(views, counts)]]
         effects: list[Effect] = []
@@ -452,8 +536,11 @@ class GpuScheduler:
     def _dispatch(
         self, node: Node, act: UnifiedAction, gpus: tuple[int, ...], now: float
     ) -> list[Effect]:
-        node.free -= set(gpus)
         name = service_of(act)
+        end = self._predict(node, act, gpus, now)
+        self._ends[act.spec.action_id] = end
+        self._copies.took(node.node_id, gpus, end)
+        node.free -= set(gpus)
         shared = self._shared.setdefault((node.node_id, gpus), gpu.Shared(name, len(gpus)))
         shared.calls += 1
         aid = act.spec.action_id
@@ -462,6 +549,20 @@ class GpuScheduler:
         self.core.running[aid] = Dispatched(act, node.node_id, node.incarnation, gpus, now)
         spec = self.services[name]
         return [StartOnNode(node.node_id, act, (), node.incarnation, gpus=gpus, service=spec)]
+
+    def _predict(self, node: Node, act: UnifiedAction, gpus: tuple[int, ...], now: float) -> float:
+        """When a call dispatched now on ``gpus`` will end: on a free chunk after restoring its
+        service unless resident there; joining a busy chunk, in the batch after the one there."""
+        facts = _facts(node)
+        exec_s = self._duration(act, len(gpus))
+        key = (node.node_id, gpus)
+        if not set(gpus) <= node.free:
+            end = self._chunk_ends[key] = max(now, self._chunk_ends.get(key, now)) + exec_s
+            return end
+        where = {g: p for p, g in enumerate(facts.gpus)}
+        name = service_of(act)
+        warm = gpu.resident_positions(facts, name, len(gpus)).issuperset(where[g] for g in gpus)
+        return now + (0.0 if warm else gpu.restore_s(facts, name, len(gpus))) + exec_s
 
     # ------------------------------------------------------------------ failures
 
@@ -488,6 +589,7 @@ class GpuScheduler:
 
     def forget(self, action_id: str) -> None:
         self.oom_floor.pop(action_id, None)
+        self._ends.pop(action_id, None)
 
     def learn(self, run: Dispatched, exec_s: float, restore_s: float) -> None:
         """What a successful call took on its GPUs, restore excluded (that is placement's)."""
@@ -497,10 +599,6 @@ class GpuScheduler:
 def _facts(node: Node) -> GpuFacts:
     assert node.gpu is not None
     return node.gpu
-
-
-def gpu_units(dop: int) -> IntArray:
-    return np.array([dop], dtype=np.int64)
 
 
 def _running_view(r: Dispatched) -> Running:

@@ -104,6 +104,7 @@ class ArrangesChunks(Protocol):
         free_chunks: tuple[int, int, int, int],
         running: Sequence[Running],
         now: float,
+        candidates: int | None = None,
     ) -> list[int]: ...
 
 

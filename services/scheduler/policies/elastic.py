@@ -297,9 +297,12 @@ class ElasticPolicy:
         free_chunks: tuple[int, int, int, int],
         running: Sequence[Running],
         now: float,
+        candidates: int | None = None,
     ) -> list[int]:
-        """The same decision for a GPU pool whose free units are buddy chunks (Algorithm 4)."""
-        n = fits_chunks_at_min(waiting, free_chunks)
+        """The same decision for a GPU pool whose free units are buddy chunks (Algorithm 4);
+        only the first ``candidates`` of ``waiting`` may start (all by default), those behind
+        weigh in the estimate only."""
+        n = fits_chunks_at_min(waiting[:candidates], free_chunks)
         if n == 0:
             return []
         free = sum(c * s for c, s in zip(free_chunks, (1, 2, 4, 8), strict=True))
