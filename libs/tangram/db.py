@@ -330,10 +330,12 @@ class Held:
                 await self._pool.release(conn, timeout=5)
 
 
-# A writer's statements are planned once (asyncpg prepares them; the plan is reused): planning
-# each execution cost 0.24 ms of Postgres CPU per write, and a custom plan did not avoid the
-# overload cliff either (a write going through the index of open actions: 3.3-10 ms per
-# execution at 20k open rows). What avoids it is the statements' own form: they find their
-# rows by primary key whatever the plan (see services/scheduler/store.py, and
-# tests/integration/test_write_plans.py, which holds them to it with stale statistics).
-GENERIC_PLANS = "SET plan_cache_mode = force_generic_plan"
+# Writers know their batch is small; a generic plan (asyncpg prepares and reuses statements)
+# does not. Alone, a statement's generic plan is the cheaper (no planning: 0.18 against 0.3 ms
+# of Postgres CPU a write), but through the mesh at load the scheduler's Postgres CPU per
+# action was 2.0-2.5 ms with generic plans against 1.15-1.36 ms with custom ones (six and five
+# runs of bench.throughput at 1600/s): custom plans it is. The overload cliff (a write going
+# through the index of open actions, 3.3-10 ms at 20k open rows) is avoided by the statements'
+# own form, whatever the plan (see services/scheduler/store.py and
+# tests/integration/test_write_plans.py).
+CUSTOM_PLANS = "SET plan_cache_mode = force_custom_plan"

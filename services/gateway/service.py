@@ -75,7 +75,7 @@ class Gateway(Service):
         self.intake: db.GroupCommit[UnifiedAction, store.Intake] = db.GroupCommit(
             self._insert, max_batch=cfg.max_batch
         )
-        self._intake_conn = db.Held(pool, db.GENERIC_PLANS)  # no pool reset per batch
+        self._intake_conn = db.Held(pool, db.CUSTOM_PLANS)  # no pool reset per batch
         self.admission = Admission(cfg.bounds())
         # Over the bound, is a refused submit's action already durable? One query per batch
         # of refusals, so shedding load does not cost a round trip each.

@@ -114,8 +114,8 @@ class Scheduler(Service):
         self.epoch = 0
         # Node reports, not the started row, say whether an action started, so its commit need
         # not wait for the WAL flush; the terminal one always does.
-        self._start_conn = db.Held(pool, db.GENERIC_PLANS, "SET synchronous_commit = off")
-        self._record_conn = db.Held(pool, db.GENERIC_PLANS)
+        self._start_conn = db.Held(pool, db.CUSTOM_PLANS, "SET synchronous_commit = off")
+        self._record_conn = db.Held(pool, db.CUSTOM_PLANS)
         self.starts = self._writer("started-writer", self._start_conn)
         self.records = self._writer("record-writer", self._record_conn)  # terminal and envs
         self.pending: dict[str, asyncio.Future[None]] = {}  # finish records not yet committed
