@@ -458,3 +458,16 @@ def test_late_node_and_a_report_missing_a_service_get_prepare() -> None:
     assert state.prepared_on == ("g0",)
     assert state.resident_on == ("g0:2", "g0:3")
     assert state.footprint_mb == 2048
+
+
+def test_the_same_registration_again_joins_the_one_under_way_and_keeps_its_deadline() -> None:
+    """A client re-sends its request while the nodes prepare: the wait does not start over."""
+    core = core_with(gpu_report("g0"), prepare_timeout_s=10.0)
+    spec = ServiceSpec("rm", "pkg.models:rm")
+    assert [e for e in core.register_service(spec, 0.0) if isinstance(e, PrepareOnNode)]
+    assert core.register_service(spec, 8.0) == []  # nothing asked of the nodes again
+    core.node_report(gpu_report("g0"), 9.0)  # alive, says nothing of it
+    (late,) = [e for e in core.tick(10.5) if isinstance(e, ServiceSettled)]
+    assert "not prepared within 10s" in late.error
+    changed = ServiceSpec("rm", "pkg.models:rm_v2")  # a new spec starts a new registration
+    assert [e for e in core.register_service(changed, 11.0) if isinstance(e, PrepareOnNode)]

@@ -148,7 +148,13 @@ class GpuScheduler:
     def register(self, spec: ServiceSpec, now: float) -> list[Effect]:
         """Record ``spec`` and ask every GPU node to prepare it; the answer (``ServiceSettled``)
         comes when each has reported it. What a node said of an earlier spec of the same name
-        is forgotten, so the answer waits for its report of this one."""
+        is forgotten, so the answer waits for its report of this one. The same spec again while
+        it is being prepared (a client re-sending its request) joins that registration: its
+        deadline holds, so a node that never answers ends it as "not prepared within", not in
+        the client's own timeout."""
+        pending = self.registering.get(spec.name)
+        if pending is not None and pending.spec == spec:
+            return []
         self.services[spec.name] = spec
         self._stale.add(spec.name)
         nodes = self.facts()
