@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tangram.bus import Bus
 from tangram.client import Client
 from tangram.embedded import EmbeddedNats
 from tangram.launcher import Mesh
@@ -47,6 +48,14 @@ async def nats_url(tmp_path: Path) -> AsyncIterator[str]:
         yield server.url
     finally:
         await asyncio.to_thread(server.stop)
+
+
+@pytest.fixture
+async def raw_bus(nats_url: str) -> AsyncIterator[Bus]:
+    """A bus on ``nats_url`` for a test that plays a service itself (a fake gateway)."""
+    bus = await Bus.connect(nats_url, "fake-gateway")
+    yield bus
+    await bus.close()
 
 
 @pytest.fixture

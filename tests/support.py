@@ -17,7 +17,16 @@ import msgspec
 from tangram import db
 from tangram.bus import Bus
 from tangram.client import Client
-from tangram.contract import ActionResult, Commands, Completions, NodeCommand, NodeMessage, codec
+from tangram.contract import (
+    ActionResult,
+    ActionSpec,
+    Commands,
+    Completions,
+    ExecAction,
+    NodeCommand,
+    NodeMessage,
+    codec,
+)
 from tangram.embedded import EmbeddedPostgres
 from tangram.launcher import Mesh, MeshOptions
 
@@ -99,6 +108,16 @@ async def postgres_pool(root: Path, max_size: int = 4) -> AsyncIterator[asyncpg.
             await pool.close()
     finally:
         await asyncio.to_thread(pg.stop)
+
+
+def exec_spec(uid: str, name: str, command: str) -> ActionSpec:
+    """An exec action with its own trajectory, named ``{uid}-{name}``."""
+    return ActionSpec(
+        action_id=f"{uid}-{name}",
+        job_id=uid,
+        trajectory_id=f"{uid}-{name}",
+        action=ExecAction(command=command),
+    )
 
 
 def unbatched(msg: NodeMessage) -> list[NodeMessage]:

@@ -145,9 +145,11 @@ async def serve_forever(service: Service, grace_s: float) -> None:
 def settle_heap() -> None:
     """Once a service process has started, what exists lives about as long as the process:
     the cyclic collector stops walking it (``gc.freeze``). A full collection of a service's
-    heap (modules, torch, the books rebuilt from Postgres) takes 50-87 ms here; one during a
-    run would stall every action in flight. Now each walks only what was made since. (A
-    cycle among the frozen objects is never collected: start-up throws none away.)"""
+    heap at start-up (modules, torch, the books rebuilt from Postgres) took 50-87 ms here
+    (timed with ``gc.callbacks``); one during a run would stall every action in flight, and now
+    walks only what was made since. No effect on p99 at 200 actions/s was measurable in 15 s
+    runs, where no full collection happened either way. (A cycle among the frozen objects is
+    never collected: start-up throws none away.)"""
     gc.collect()
     gc.freeze()
 

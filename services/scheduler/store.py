@@ -161,7 +161,7 @@ def _count(status: str) -> int:
     return int(status.rsplit(" ", 1)[-1])
 
 
-async def check_lead(conn: asyncpg.Connection | asyncpg.Pool, epoch: int) -> None:
+async def check_lead(conn: asyncpg.Connection, epoch: int) -> None:
     """Raise :class:`Deposed` when ``epoch`` is not the leading one."""
     leading = int(await conn.fetchval("SELECT epoch FROM scheduler_leader WHERE id = 1"))
     if leading != epoch:

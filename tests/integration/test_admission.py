@@ -20,8 +20,6 @@ from tangram.bus import Bus
 from tangram.client import Client, SyncClient
 from tangram.contract import (
     Accepted,
-    ActionSpec,
-    ExecAction,
     GetResult,
     Pending,
     Pressure,
@@ -32,22 +30,13 @@ from tangram.contract import (
 from tangram.errors import Busy
 from tangram.launcher import Mesh
 
-from ..support import eventually, running_mesh
+from ..support import eventually, exec_spec, running_mesh
 
 FLOOR = 4  # the gateway's bound here: 4 accepted-but-unfinished actions (no rate can raise it)
 ADMISSION_ENV = {
     "TANGRAM_GATEWAY_MIN_BACKLOG": str(FLOOR),
     "TANGRAM_GATEWAY_MAX_BACKLOG_S": "0.001",
 }
-
-
-def exec_spec(uid: str, name: str, command: str) -> ActionSpec:
-    return ActionSpec(
-        action_id=f"{uid}-{name}",
-        job_id=uid,
-        trajectory_id=f"{uid}-{name}",
-        action=ExecAction(command=command),
-    )
 
 
 # ----------------------------------------------------------------------------- client only
@@ -71,13 +60,6 @@ class BusyGateway:
             await msg.respond(encode(busy.to_reply()))
         else:
             await msg.respond(encode(Accepted(action_id=req.spec.action_id)))
-
-
-@pytest.fixture
-async def raw_bus(nats_url: str) -> AsyncIterator[Bus]:
-    bus = await Bus.connect(nats_url, "fake-gateway")
-    yield bus
-    await bus.close()
 
 
 async def test_the_client_retries_busy_after_the_retry_after(raw_bus: Bus, nats_url: str):

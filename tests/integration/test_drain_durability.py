@@ -30,7 +30,7 @@ from tangram.contract import (
 )
 from tangram.launcher import Mesh
 
-from ..support import eventually, running_mesh, unbatched
+from ..support import eventually, exec_spec, running_mesh, unbatched
 
 pytestmark = pytest.mark.slow
 
@@ -141,15 +141,6 @@ async def no_responder(bus: Bus, subject: str) -> bool:
     except nats.errors.TimeoutError:
         pass
     return False
-
-
-def exec_spec(uid: str, name: str, command: str) -> ActionSpec:
-    return ActionSpec(
-        action_id=f"{uid}-{name}",
-        job_id=uid,
-        trajectory_id=f"{uid}-{name}",
-        action=ExecAction(command=command),
-    )
 
 
 async def test_a_leaving_agent_names_what_it_started_and_goes_quiet(tmp_path: Path, uid: str):

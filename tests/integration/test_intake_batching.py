@@ -70,13 +70,6 @@ def _has(req: GatewayRequest, aid: str) -> bool:
     return any(isinstance(i, Submit) and i.spec.action_id == aid for i in items)
 
 
-@pytest.fixture
-async def raw_bus(nats_url: str) -> AsyncIterator[Bus]:
-    bus = await Bus.connect(nats_url, "fake-gateway")
-    yield bus
-    await bus.close()
-
-
 async def test_each_item_of_a_batch_is_answered_alone(raw_bus: Bus, nats_url: str):
     gateway = ItemGateway(raw_bus)
     await gateway.start()
