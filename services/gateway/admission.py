@@ -28,11 +28,12 @@ RETRY_COLD_S = 1.0  # nothing finished lately: no rate to compute a drain time f
 
 @dataclass(frozen=True, slots=True)
 class Bounds:
-    """The backlog a gateway accepts: ``backlog_s`` of work, within [``floor``, ``ceiling``]."""
+    """The backlog a gateway accepts: ``backlog_s`` of work, within [``floor``, ``ceiling``]
+    (its values come from the gateway's config, ``GatewayConfig.bounds``)."""
 
-    backlog_s: float = 5.0
-    floor: int = 1024
-    ceiling: int = 100_000
+    backlog_s: float
+    floor: int
+    ceiling: int
     enabled: bool = True
 
 
@@ -47,14 +48,6 @@ def retry_after(backlog: int, bound: int, rate_per_s: float) -> float:
         return RETRY_COLD_S
     drain_s = (backlog - REFILL_AT * bound) / rate_per_s
     return round(min(RETRY_MAX_S, max(RETRY_MIN_S, drain_s)), 3)
-
-
-def refusal(backlog: int, rate_per_s: float, bounds: Bounds) -> Busy | None:
-    """None to admit one more action, or the ``busy`` error that refuses it."""
-    bound = limit(rate_per_s, bounds)
-    if not bounds.enabled or backlog < bound:
-        return None
-    return _busy(backlog, bound, rate_per_s, bounds)
 
 
 def _busy(backlog: int, bound: int, rate_per_s: float, bounds: Bounds) -> Busy:

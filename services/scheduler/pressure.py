@@ -27,26 +27,6 @@ WINDOW_S = 5.0
 
 
 @dataclass
-class FinishCounter:
-    """How many ids were added to one ``recent`` dict since the last call."""
-
-    newest: str | None = None  # None after a look at an empty dict: every id is new
-    looked: bool = False
-
-    def added(self, recent: dict[str, None]) -> int:
-        count = 0
-        for aid in reversed(recent.keys()):
-            if aid == self.newest:
-                break
-            count += 1
-        if not self.looked:
-            count = 0  # the first look only sets the mark (finishes before it are history)
-            self.looked = True
-        self.newest = next(reversed(recent.keys()), None)
-        return count
-
-
-@dataclass
 class DrainRate:
     """Finishes per second over the last ``window_s`` (time is passed in by the caller)."""
 
@@ -77,12 +57,14 @@ class Gauge:
         self.bus = bus
         self.epoch = epoch
         self.rate = DrainRate()
-        self._node = FinishCounter()
-        self._quota = FinishCounter()
+        self._seen: int | None = None  # the cores' finishes at the last look
 
     def measure(self, core: SchedulerCore, quotas: QuotaCore, now: float) -> Pressure:
         """The pressure now (pure but for the counters it advances)."""
-        self.rate.add(self._node.added(core.recent) + self._quota.added(quotas.recent), now)
+        total = core.finished + quotas.finished
+        # the first look only sets the mark: finishes before it are history
+        self.rate.add(0 if self._seen is None else total - self._seen, now)
+        self._seen = total
         n, q = core.snapshot(), quotas.snapshot()
         return Pressure(
             epoch=self.epoch,

@@ -16,19 +16,28 @@ from services.gateway.admission import (
     Admission,
     Bounds,
     limit,
-    refusal,
     retry_after,
 )
 from services.gateway.config import load as load_gateway_config
 from services.scheduler.core.quota import QuotaCore
 from services.scheduler.core.scheduler import SchedulerCore
-from services.scheduler.pressure import DrainRate, FinishCounter, Gauge
+from services.scheduler.pressure import DrainRate, Gauge
 from tangram.bus import decode_request
 from tangram.client import BUSY_JITTER, BUSY_MAX_S, _pause
-from tangram.contract import ErrorReply, Pressure, codec, encode
+from tangram.contract import ActionResult, ErrorReply, Pressure, codec, encode
 from tangram.errors import Busy, RemoteError, Unavailable
 
+from .core_kit import action as kit_action
+
 BOUNDS = Bounds(backlog_s=5.0, floor=100, ceiling=10_000)
+
+
+def refusal(backlog: int, rate_per_s: float, bounds: Bounds) -> Busy | None:
+    """The gateway's decision on one more submit after a report of ``backlog`` draining at
+    ``rate_per_s``."""
+    admission = Admission(bounds)
+    admission.observe(Pressure(queued=backlog, finished_per_s=rate_per_s))
+    return admission.admit()
 
 
 # ----------------------------------------------------------------------------- the decision
@@ -68,7 +77,7 @@ def test_retry_after_is_the_drain_time_to_half_the_limit() -> None:
 
 
 def test_a_disabled_gateway_admits_anything() -> None:
-    off = Bounds(floor=1, ceiling=1, enabled=False)
+    off = Bounds(backlog_s=1.0, floor=1, ceiling=1, enabled=False)
     assert refusal(10**9, 0.0, off) is None
     admission = Admission(off)
     assert all(admission.admit() is None for _ in range(1000))
@@ -132,16 +141,14 @@ def test_garbage_is_refused_and_a_valid_report_round_trips() -> None:
 # ----------------------------------------------------------------------------- the scheduler
 
 
-def test_finish_counter_counts_ids_added_since_the_last_look() -> None:
-    recent: dict[str, None] = dict.fromkeys(["a", "b"])
-    counter = FinishCounter()
-    assert counter.added(recent) == 0  # the first look only sets the mark
-    recent.update(dict.fromkeys(["c", "d", "e"]))
-    del recent["a"]  # evicted from the front, as the cores do
-    assert counter.added(recent) == 3
-    assert counter.added(recent) == 0
-    recent["c"] = None  # re-marking a known id does not move it
-    assert counter.added(recent) == 0
+def test_the_core_counts_each_finished_action_once() -> None:
+    core = SchedulerCore()
+    act = kit_action("a", "t")
+    result = ActionResult(action_id="a", status="succeeded")
+    core.finish(act, result)
+    core.finish(act, result)  # a duplicate ending (a resent completion) is not a new finish
+    core.finish(kit_action("b", "t"), ActionResult(action_id="b", status="failed"))
+    assert core.finished == 2
 
 
 def test_drain_rate_is_finishes_per_second_over_the_window() -> None:
@@ -159,10 +166,10 @@ def test_drain_rate_is_finishes_per_second_over_the_window() -> None:
 def test_gauge_measures_backlog_of_both_cores() -> None:
     core, quotas = SchedulerCore(), QuotaCore()
     gauge = Gauge(bus=None, epoch=7)  # type: ignore[arg-type]  # measure() never sends
-    core.recent.update(dict.fromkeys(["old"]))
+    core.finished = 1  # before the first look: history
     assert gauge.measure(core, quotas, now=0.0) == Pressure(epoch=7)
-    core.recent.update(dict.fromkeys(f"x{i}" for i in range(10)))
-    quotas.recent.update(dict.fromkeys(["q1", "q2"]))
+    core.finished += 10
+    quotas.finished += 2
     p = gauge.measure(core, quotas, now=1.0)
     assert p.finished_per_s == pytest.approx(12.0)
     assert p.backlog == 0

@@ -87,6 +87,7 @@ class QuotaCore:
         self.killed: dict[str, Call] = {}  # ended at their kill deadline, unit still held
         self.leases: dict[str, Lease] = {}
         self.recent: dict[str, None] = {}
+        self.finished = 0  # calls and leases ended so far, each once (see pressure)
         self.departed: dict[tuple[str, str], None] = {}
         self._refused: list[Effect] = []  # results of actions refused at intake, not yet out
         # What the tick ends, by due time (it never scans every action it holds).
@@ -384,6 +385,8 @@ class QuotaCore:
         return [Finish(action, result)]
 
     def _remember(self, action_id: str) -> None:
+        if action_id not in self.recent:
+            self.finished += 1
         self.recent[action_id] = None
         if len(self.recent) > RECENT_LIMIT:
             del self.recent[next(iter(self.recent))]

@@ -115,6 +115,7 @@ class SchedulerCore:
         # cancelled actions ended at their kill deadline whose cores the node may still use
         self.killed: dict[str, Dispatched] = {}
         self.recent: dict[str, None] = {}
+        self.finished = 0  # actions ended so far, each once (the drain rate, see pressure)
         self.departed: dict[tuple[str, str], None] = {}  # (node, incarnation) left or replaced
         self.not_before = 0.0
         self._views: dict[str, Waiting] = {}  # the policy's view of each queued action
@@ -492,6 +493,8 @@ class SchedulerCore:
         self._views.pop(action.spec.action_id, None)
         self.gpu.forget(action.spec.action_id)
         self.waits.pop(action.spec.action_id, None)
+        if action.spec.action_id not in self.recent:
+            self.finished += 1
         self.recent[action.spec.action_id] = None
         if len(self.recent) > RECENT_LIMIT + RECENT_LIMIT // 4:
             # forget the oldest in one go: deleting one at a time from the front of a dict
