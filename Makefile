@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo up sandbox-image test test-fast lint typecheck bench bench-throughput bench-scheduler bench-docker bench-gpu bench-quota docker-engine clean
+.PHONY: setup demo up sandbox-image test test-fast lint typecheck bench bench-throughput bench-scheduler bench-docker bench-gpu bench-quota docker-engine chromium clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -15,6 +15,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,bench]'
+	$(BIN)/pip install -q -e '.[ray]' && $(BIN)/pip install -q --no-deps -r tests/integrations/frameworks.txt  # adapters' base classes
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install tangram with its dev tools
@@ -32,7 +33,10 @@ docker-engine:  ## install a Docker engine and a compose tool if absent (tests s
 	bash scripts/docker-engine.sh
 	bash scripts/compose-tool.sh
 
-test: setup docker-engine  ## lint, format, types, then the whole suite against real NATS, Postgres, Docker
+chromium:  ## install Debian's chromium if absent (the browser tests drive it headless)
+	bash scripts/chromium.sh
+
+test: setup docker-engine chromium  ## lint, format, types, then the whole suite against real NATS, Postgres, Docker
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy

@@ -75,6 +75,8 @@ def mesh_options(root: Path, **kw: object) -> MeshOptions:
     env.update(kw.pop("env", {}) or {})  # type: ignore[arg-type]
     kw.setdefault("backend", "process")
     kw.setdefault("gpu_manager", False)  # torch in one more process: only where a test asks
+    kw.setdefault("reward_front", False)  # an HTTP front only where a test asks
+    kw.setdefault("dashboard", False)  # the web UI (and its span store) only where a test asks
     return MeshOptions(state_dir=root, fsync=False, env=env, **kw)  # type: ignore[arg-type]
 
 

@@ -19,7 +19,9 @@ import abc
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, Final, TypeVar, overload
 
 import nats
@@ -27,9 +29,8 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from opentelemetry import trace
 
-from tangram import telemetry
+from tangram import auth, telemetry
 from tangram.contract import MAX_MESSAGE_BYTES, ErrorReply, codec, encode
 from tangram.errors import Busy, InvalidRequest, RemoteError, TangramError, Unavailable, from_reply
 from tangram.subjects import Endpoint
@@ -222,12 +223,10 @@ class Server:
         decoded = decode_request(msg.data, self._typ)
         if isinstance(decoded, ErrorReply):
             return decoded
-        if not msg.headers and not telemetry.recording():  # the hot path: 30 us less a message
+        if not msg.headers and not telemetry.start_trace(decoded):  # hot path: 30 us less
             return await self._run_handler(decoded, msg)
         ctx = telemetry.extract(msg.headers)
-        with telemetry.tracer().start_as_current_span(
-            f"{self.subject} {type(decoded).__name__}", context=ctx, kind=trace.SpanKind.CONSUMER
-        ):
+        with telemetry.consumer_span(self.subject, decoded, ctx):
             return await self._run_handler(decoded, msg)
 
     async def _run_handler(self, decoded: Any, msg: Msg) -> Any:
@@ -374,9 +373,10 @@ class BaseBus(abc.ABC):
 class Bus(BaseBus):
     """The NATS transport: one connection with the contract codec and tracing middleware."""
 
-    def __init__(self, nc: NATS, name: str) -> None:
+    def __init__(self, nc: NATS, name: str, creds: auth.Creds | None = None) -> None:
         super().__init__(name)
         self.nc = nc
+        self.creds = creds  # who the broker knows this connection as (None: no auth)
 
     @classmethod
     async def connect(
@@ -386,37 +386,52 @@ class Bus(BaseBus):
         *,
         deadline_s: float = 10.0,
         on_reconnect: Callable[[], Awaitable[None]] | None = None,
+        creds: str | Path | None = None,
     ) -> Bus:
         """Connect within ``deadline_s``; once connected, reconnect forever (a broker restart
-        is survivable). ``on_reconnect`` runs after each reconnection."""
+        is survivable). ``on_reconnect`` runs after each reconnection. ``creds`` is a
+        credential file (:mod:`tangram.auth`), else the one ``TANGRAM_CREDS`` names, if any."""
+        path = creds or os.environ.get(auth.CREDS_VAR)
+        who = auth.load_creds(path) if path else None
         try:
-            nc = await asyncio.wait_for(cls._connect(url, name, on_reconnect), deadline_s)
+            nc = await asyncio.wait_for(cls._connect(url, name, on_reconnect, who), deadline_s)
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             why = str(exc) or f"{type(exc).__name__}, no answer within {deadline_s:g}s"
+            if _is_refusal(exc):
+                why = f"refused: {'wrong credentials' if who else 'credentials required'}"
             raise Unavailable(f"cannot connect to NATS at {url}: {why}") from exc
-        return cls(nc, name)
+        return cls(nc, name, who)
 
     @staticmethod
     async def _connect(
-        url: str, name: str, on_reconnect: Callable[[], Awaitable[None]] | None
+        url: str,
+        name: str,
+        on_reconnect: Callable[[], Awaitable[None]] | None,
+        who: auth.Creds | None,
     ) -> NATS:
         async def reconnected() -> None:
             log.info("%s: reconnected to NATS", name)
             if on_reconnect is not None:
                 await on_reconnect()
 
-        return await nats.connect(
-            url,
-            name=name,
-            connect_timeout=2,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.25,
-            allow_reconnect=True,
-            pending_size=64 * 1024 * 1024,
-            error_cb=_log_error,
-            disconnected_cb=_log_event(f"{name}: disconnected from NATS"),
-            reconnected_cb=_log_event(f"{name}: reconnected to NATS"),
+        options: dict[str, Any] = {
+            "name": name,
+            "connect_timeout": 2,
+            "max_reconnect_attempts": -1,
+            "reconnect_time_wait": 0.25,
+            "allow_reconnect": True,
+            "pending_size": 64 * 1024 * 1024,
+            "disconnected_cb": _log_event(f"{name}: disconnected from NATS"),
+            "reconnected_cb": _log_event(f"{name}: reconnected to NATS"),
+        }
+        if who is not None:  # its own inbox prefix: the only one it may read replies under
+            options.update(user=who.user, password=who.password, inbox_prefix=who.inbox_prefix)
+        nc = NATS()
+        refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        connecting = asyncio.ensure_future(
+            nc.connect(url, error_cb=_refusal_watch(refused), **options)
         )
+        return await _unless_refused(nc, connecting, refused)
 
     async def start(self) -> None:
         """Start serving; on return the server knows every subscription (a request sent next,
@@ -475,7 +490,56 @@ def _headers(traceparent: str) -> dict[str, str]:
 
 
 async def _log_error(exc: Exception) -> None:
+    if "permissions violation" in str(exc).lower():  # a bug in the role's grant, or a probe
+        log.warning("NATS refused: %s", exc)
+        return
     log.info("NATS: %s", exc)
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """The broker rejected the login (nats-py raises it as a plain error while connecting)."""
+    return isinstance(exc, nats.errors.AuthorizationError) or (
+        isinstance(exc, nats.errors.Error) and "authorization violation" in str(exc).lower()
+    )
+
+
+def _refusal_watch(refused: asyncio.Future[None]) -> Callable[[Exception], Awaitable[None]]:
+    """An error callback that also marks ``refused`` when the broker rejects the login."""
+
+    async def on_error(exc: Exception) -> None:
+        if _is_refusal(exc) and not refused.done():
+            refused.set_exception(exc)
+        await _log_error(exc)
+
+    return on_error
+
+
+async def _unless_refused(
+    nc: NATS, connecting: asyncio.Future[None], refused: asyncio.Future[None]
+) -> NATS:
+    """``nc`` once connected; a rejected login ends the attempt at once (retrying the same
+    credentials cannot succeed), instead of retrying until the deadline."""
+    try:
+        await asyncio.wait([connecting, refused], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not connecting.done():
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+            await _close_quietly(nc)
+    if refused.done():  # the refusal wins even if the connect got through meanwhile
+        await asyncio.gather(connecting, return_exceptions=True)  # its outcome, retrieved
+        await _close_quietly(nc)
+        refused.result()
+    refused.cancel()
+    connecting.result()  # raises a failed connect's error
+    return nc
+
+
+async def _close_quietly(nc: NATS) -> None:
+    """Close a connection that never came up (its half-started tasks), bounded: a close that
+    hangs on a dead socket must not hold up the caller's deadline."""
+    with contextlib.suppress(TimeoutError, nats.errors.Error, OSError):
+        await asyncio.wait_for(nc.close(), 1.0)
 
 
 def _log_event(text: str) -> Callable[[], Awaitable[None]]:

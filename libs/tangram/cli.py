@@ -31,7 +31,7 @@ from tangram import cli_ops, runtime, services_cli, telemetry
 from tangram.errors import TangramError
 
 DEFAULT_STATE = Path(os.environ.get("TANGRAM_STATE_DIR", ".state"))
-SERVICE_NAMES = ["gateway", "scheduler", "cpu_manager", "quota_manager", "gpu_manager"]
+SERVICE_NAMES = ["gateway", "scheduler", "cpu_manager", "quota_manager", "gpu_manager", "dashboard"]
 _QUOTA_LINE = "quota_manager: HTTP calls under quotas (keys from its env; tangram quota set)"
 
 
@@ -66,6 +66,10 @@ async def cmd_up(args: argparse.Namespace) -> int:
 
     opts = _mesh_opts(args)
     opts.nats_port = DEFAULT_PORT  # clients find it with no URL (when the port is free)
+    opts.dashboard_port = 8265  # the dashboard's, when free (as Ray's)
+    opts.reward_front_port = 8470  # slime --rm-url / OpenRLHF --remote_rm_url, when free
+    opts.secure = True  # credentials per role (mesh.json names the client's), actions' own uids
+    opts.schedulers, opts.supervise = args.schedulers, True  # a standby; restarts what dies
     mesh = Mesh(opts)
     mesh.lock.acquire()  # a state dir in use: say by whom before anything starts
     opts.backend, line = await _cpu_backend(args)  # the agents run what this line says
@@ -77,7 +81,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
     try:
         await mesh.start()
         _status_lines(mesh)
-        bus = await Bus.connect(mesh.nats_url, "tangram-up")
+        bus = await Bus.connect(mesh.nats_url, "tangram-up", creds=mesh.ops_creds)
         st = await mesh.status(bus)
         await bus.close()
         print(
@@ -85,6 +89,8 @@ async def cmd_up(args: argparse.Namespace) -> int:
             f"{st.free_cores} free cores"
         )
         print(f"mesh up: nats {mesh.nats_url}  postgres {mesh.postgres_dsn}")
+        print(f"dashboard   {mesh.dashboard_url}", flush=True)
+        print(f"rewards     {mesh.reward_front_url} (POST /rm, /get_reward)", flush=True)
         await _register_services(mesh, args.services)
         print(f"wrote {mesh.opts.state_dir / 'mesh.json'}; Ctrl-C stops everything", flush=True)
         await stop.wait()
@@ -101,7 +107,7 @@ async def _register_services(mesh: Any, path: str | None) -> None:
     if path is None:
         return
     specs = services_cli.load_specs(Path(path))
-    async with Client.connect(mesh.nats_url) as client:
+    async with Client.connect(mesh.nats_url, creds=mesh.client_creds) as client:
         for state in await services_cli.register_all(client, specs):
             print(services_cli.state_line(state), flush=True)
 
@@ -142,6 +148,10 @@ def _builder(name: str) -> runtime.Build:
         from services.gpu_manager.service import build as gpu_manager
 
         return gpu_manager
+    if name == "dashboard":
+        from services.dashboard.service import build as dashboard
+
+        return dashboard
     raise SystemExit(f"unknown service {name!r}; known: {', '.join(SERVICE_NAMES)}")
 
 
@@ -245,6 +255,14 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="run the whole mesh on this machine")
     _mesh_args(up)
+    up.add_argument(
+        "--schedulers",
+        type=int,
+        default=2,
+        choices=range(1, 10),
+        metavar="N",
+        help="schedulers to run: one leads, the others stand by (default 2)",
+    )
     services_cli.add_up_args(up)
     sp = sub.add_parser("service", help="run one service")
     sp.add_argument("name", choices=SERVICE_NAMES)
@@ -274,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.cmd == "exec" and args.command[:1] == ["--"]:
         args.command = args.command[1:]
+    if getattr(args, "state_dir", None):  # where this command's mesh, and its credentials, are
+        os.environ["TANGRAM_STATE_DIR"] = str(Path(args.state_dir).resolve())
     runtime.setup_logging(args.log_level.upper())
     telemetry.setup(f"tangram-{args.cmd}", os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
     commands = {

@@ -11,10 +11,10 @@ import os
 import sys
 from pathlib import Path
 
-from tangram import discovery, subjects
+from tangram import auth, discovery, subjects
 from tangram.bus import Bus
 from tangram.client import Client
-from tangram.contract import ActionResult, GetResult, SchedulerStatus, StatusQuery
+from tangram.contract import ActionResult, GetResult, NodeRow, SchedulerStatus, StatusQuery
 from tangram.errors import NotFound, ResultTimeout, TangramError, Unavailable
 
 NO_WAIT_S = 0.2  # `tangram result` without --wait: one look (the first ask is immediate)
@@ -100,7 +100,7 @@ async def cmd_result(args: argparse.Namespace) -> int:
 
 
 async def scheduler_status(url: str) -> SchedulerStatus:
-    bus = await Bus.connect(url, "tangram-status", deadline_s=5.0)
+    bus = await Bus.connect(url, "tangram-status", deadline_s=5.0, creds=auth.ops_creds(url))
     try:
         st = await bus.request(subjects.SCHED_ACTIONS, StatusQuery(), timeout=3.0)
     finally:
@@ -116,12 +116,21 @@ async def cmd_status(args: argparse.Namespace) -> int:
         f"scheduler epoch {st.epoch}, policy {st.policy}: {st.nodes} node(s), "
         f"{st.queued} queued, {st.running} running, {st.envs} environment(s)\n"
     )
+    table(["SERVICE", "HEALTH", "PHASE"], await _services(locate(args), st))
     nodes = [
-        [n.node_id, f"{n.free_cores}/{n.cores}", f"{n.free_memory_mb}/{n.memory_mb}", str(n.envs)]
-        + (["draining"] if n.draining else [""])
+        [
+            n.node_id,
+            f"{n.free_cores}/{n.cores}",
+            f"{n.free_memory_mb}/{n.memory_mb}",
+            str(n.envs),
+            n.health or "?",
+            n.phase or ("draining" if n.draining else "?"),
+            _ago(n),
+        ]
         for n in st.node_rows
     ]
-    table(["NODE", "FREE CORES", "FREE MiB", "ENVS", ""], nodes)
+    header = ["NODE", "FREE CORES", "FREE MiB", "ENVS", "HEALTH", "PHASE", "LAST PROGRESS"]
+    table(header, nodes)
     queued = [
         [q.action_id, q.trajectory_id, str(q.cpus), f"{q.waited_s:.1f}s", q.reason]
         for q in st.queue_rows
@@ -133,6 +142,23 @@ async def cmd_status(args: argparse.Namespace) -> int:
     ]
     table(["RUNNING", "TRAJECTORY", "NODE", "CORES", "FOR"], running)
     return 0
+
+
+async def _services(url: str, st: SchedulerStatus) -> list[list[str]]:
+    """The services' rows: the scheduler answered (it leads), the gateway is asked."""
+    rows = [["scheduler", "healthy", f"leading, epoch {st.epoch}"]]
+    try:
+        why = await _unhealthy("gateway", url, None)
+    except TangramError as exc:
+        why = str(exc)
+    rows.append(
+        ["gateway", "unhealthy: " + why if why else "healthy", "serving" if not why else ""]
+    )
+    return rows
+
+
+def _ago(n: NodeRow) -> str:
+    return "?" if n.last_progress_s is None else f"{n.last_progress_s:.1f}s ago"
 
 
 def table(header: list[str], rows: list[list[str]]) -> None:
@@ -164,7 +190,7 @@ async def _unhealthy(service: str, url: str, node: str | None) -> str:
         await scheduler_status(url)
         return ""
     if service == "gateway":
-        bus = await Bus.connect(url, "tangram-health", deadline_s=5.0)
+        bus = await Bus.connect(url, "tangram-health", deadline_s=5.0, creds=auth.ops_creds(url))
         try:
             await bus.request(subjects.GATEWAY, GetResult(action_id="health-probe"), timeout=3.0)
         except NotFound:

@@ -18,6 +18,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from functools import partial
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -26,7 +27,7 @@ from msgspec import UNSET, UnsetType
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from tangram import discovery, subjects, telemetry
+from tangram import auth, discovery, subjects, telemetry
 from tangram.bus import Bus
 from tangram.contract import (
     Accepted,
@@ -103,29 +104,46 @@ class Client:
         self.cleanups = Cleanups()  # lease releases that outlive a cancelled caller
 
     @classmethod
-    def connect(cls, nats_url: str | None = None, **kw: Any) -> _Connecting:
+    def connect(
+        cls, nats_url: str | None = None, *, creds: str | Path | None = None, **kw: Any
+    ) -> _Connecting:
         """Connect to the mesh's NATS (await it, or use it as an async context manager).
 
         Without a URL the running mesh is found: ``TANGRAM_NATS_URL``, then the live
-        ``mesh.json`` in ``TANGRAM_STATE_DIR`` (default ``.state``), then port 4222 here."""
-        return _Connecting(cls._open(nats_url, **kw))
+        ``mesh.json`` in ``TANGRAM_STATE_DIR`` (default ``.state``), then port 4222 here.
+        Credentials: ``creds`` (a file ``tangram up`` wrote), else ``TANGRAM_CREDS``, else the
+        ``client_creds`` named in that ``mesh.json``; none when the mesh asks for none."""
+        return _Connecting(cls._open(nats_url, creds=creds, **kw))
 
     @classmethod
-    async def _open(cls, nats_url: str | None, **kw: Any) -> Client:
+    async def _open(
+        cls, nats_url: str | None, *, creds: str | Path | None = None, **kw: Any
+    ) -> Client:
         holder: list[Client] = []
         found = discovery.find(nats_url)
+        creds = creds or auth.find_creds(found.url)
         try:
             bus = await Bus.connect(
-                found.url, "tangram-client", on_reconnect=lambda: holder[0].resync()
+                found.url,
+                "tangram-client",
+                on_reconnect=lambda: holder[0].resync(),
+                creds=creds,
             )
         except Unavailable as exc:
             raise Unavailable(f"{exc.message} (URL from {found.source})") from None
         client = cls(bus, **kw)
         holder.append(client)
         client._sub = await bus.nc.subscribe(
-            subjects.results(client.client_id), cb=client._on_result, pending_msgs_limit=1_000_000
+            client.results_subject, cb=client._on_result, pending_msgs_limit=1_000_000
         )
         return client
+
+    @property
+    def results_subject(self) -> str:
+        """Where this client's results are pushed: under its credential's own id, if any (the
+        broker lets no other credential read there)."""
+        owner = self.bus.creds.id if self.bus.creds is not None else ""
+        return subjects.results(f"{owner}.{self.client_id}" if owner else self.client_id)
 
     async def close(self) -> None:
         """Stop listening and close the connection (idempotent)."""
@@ -379,7 +397,7 @@ class Client:
     async def _submit(self, spec: ActionSpec) -> Accepted | ActionResult:
         with telemetry.tracer().start_as_current_span("tangram.submit") as span:
             span.set_attribute("tangram.action_id", spec.action_id)
-            req = Submit(spec=spec, reply_subject=subjects.results(self.client_id))
+            req = Submit(spec=spec, reply_subject=self.results_subject)
             # A traced submit goes alone: its request carries its own trace context.
             first = None if telemetry.recording() else partial(self._intake.submit, req)
             reply = await self._gateway(

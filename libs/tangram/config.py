@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -24,7 +24,12 @@ class MeshConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     nats_url: str = "nats://127.0.0.1:4222"
     postgres_dsn: str = "postgresql://postgres@127.0.0.1:5432/postgres"
     otel_endpoint: str | None = None
+    stored_traces_per_s: float = 50.0  # traces started a second for the dashboard (0: off)
     drain_s: float = 10.0
+    # Each process's ops endpoint (/metrics, /healthz, /readyz; tangram.ops_http): loopback
+    # only by default; port 0 takes any free port (`tangram up` gives each service its own).
+    ops_host: str = "127.0.0.1"
+    ops_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
 
 
 def env_overrides(

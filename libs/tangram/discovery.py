@@ -3,6 +3,8 @@
 A client looks, in order, at: the URL it was given, ``TANGRAM_NATS_URL``, the ``mesh.json``
 that ``tangram up`` writes in the state dir (``TANGRAM_STATE_DIR``, default ``.state``) if
 the process that wrote it is still alive, and last the conventional NATS port on this machine.
+Besides the NATS URL, ``mesh.json`` names the Postgres DSN and each service's metrics endpoint
+(``metrics_urls``: service key -> URL, added as services start: :func:`update_mesh`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import fcntl
 import json
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -72,11 +75,51 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def write_mesh(state_dir: Path, nats_url: str, postgres_dsn: str) -> Path:
+def write_mesh(state_dir: Path, nats_url: str, postgres_dsn: str, **extra: object) -> Path:
+    """Write ``mesh.json`` as this process's (``extra``: more fields, JSON values)."""
     path = state_dir / MESH_FILE
-    info = {"nats_url": nats_url, "postgres_dsn": postgres_dsn, "pid": os.getpid()}
-    path.write_text(json.dumps(info, indent=2))
+    info = {"nats_url": nats_url, "postgres_dsn": postgres_dsn, "pid": os.getpid(), **extra}
+    _replace(path, info)
     return path
+
+
+def update_mesh(state_dir: Path, **fields: object) -> bool:
+    """Set fields of the ``mesh.json`` this process wrote (a dict field is merged into the
+    one there, so ``metrics_urls={key: url}`` adds one service's URL); False, and nothing
+    written, when there is none (missing, unreadable, or another process's)."""
+    path = state_dir / MESH_FILE
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(info, dict) or info.get("pid") != os.getpid():
+        return False
+    for name, value in fields.items():
+        old = info.get(name)
+        info[name] = (
+            {**old, **value} if isinstance(old, dict) and isinstance(value, dict) else value
+        )
+    _replace(path, info)
+    return True
+
+
+def metrics_url(base: str) -> str:
+    """The metrics endpoint of an ops server at ``base`` (see ``tangram.ops_http``)."""
+    return f"{base.rstrip('/')}/metrics"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the kernel's pick), for a process started next."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _replace(path: Path, info: dict[str, object]) -> None:
+    """Write atomically: a reader sees the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(info, indent=2))
+    tmp.replace(path)
 
 
 def remove_mesh(state_dir: Path) -> None:

@@ -68,11 +68,17 @@ class EmbeddedNats:
     """A nats-server with JetStream, its store under ``data_dir``."""
 
     def __init__(
-        self, data_dir: Path, port: int | None = None, *, http_port: int | None = None
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        *,
+        http_port: int | None = None,
+        config: Path | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.port = port or free_port()
         self.http_port = http_port  # the monitoring endpoint (/varz), off unless asked for
+        self.config = config  # a config file (users and permissions: ``tangram.auth``)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -104,6 +110,8 @@ class EmbeddedNats:
         ]
         if self.http_port is not None:
             cmd += ["-m", str(self.http_port)]
+        if self.config is not None:  # the flags above override what it says about them
+            cmd += ["-c", str(self.config)]
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,

@@ -5,7 +5,8 @@
     TangramError                      base of everything raised by tangram
     ├── CallerError                   the request is wrong; fix it (carries a ``hint``)
     │   ├── InvalidRequest            failed validation (bad field, absurd resource, empty command)
-    │   └── NotFound                  no such action / environment
+    │   ├── NotFound                  no such action / environment
+    │   └── Fenced                    the sender's incarnation was declared failed
     ├── RemoteError                   a service answered with an error reply (carries ``code``)
     │   └── Busy                      overloaded: retry after ``retry_after_s``
     ├── Unavailable                   no service answered in time (retryable)
@@ -62,6 +63,13 @@ class NotFound(CallerError):
     code = "not_found"
 
 
+class Fenced(CallerError):
+    """The sender's incarnation was declared failed and is fenced: nothing from it counts
+    any more (a node agent that hears this stops; its supervisor starts a new one)."""
+
+    code = "fenced"
+
+
 class RemoteError(TangramError):
     """A service replied with an error; ``code`` is the machine-readable reason."""
 
@@ -104,6 +112,7 @@ class InternalError(TangramError):
 _BY_CODE: dict[str, type[TangramError]] = {
     InvalidRequest.code: InvalidRequest,
     NotFound.code: NotFound,
+    Fenced.code: Fenced,
     CallerError.code: CallerError,
 }
 

@@ -3,7 +3,13 @@
 Starts embedded nats-server and PostgreSQL (unless URLs are given), then each service as its
 own process (``python -m services.NAME``), waits until the mesh answers, and stops it in drain
 order: intake first, then the node agents (they finish and report in-flight work), then the
-scheduler, then the servers. Tests use the same class to kill -9 and restart single services.
+schedulers, then the servers. Tests use the same class to kill -9 and restart single services.
+
+With ``supervise`` (``tangram up`` turns it on) a service or embedded server that dies
+unexpectedly is started again with backoff (:mod:`tangram.supervisor`); a deliberate stop or
+:meth:`Mesh.kill` cancels its supervisor first, so tests that kill on purpose are not fought.
+With ``schedulers`` > 1 the first scheduler leads and the others stand by, each waiting for the
+lead lock (``services/scheduler/leadership.py``) to take over when the leader dies.
 """
 
 from __future__ import annotations
@@ -16,21 +22,36 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tangram import config, subjects
+from tangram import auth, config, subjects
 from tangram.bus import Bus
 from tangram.config import MeshConfig
 from tangram.contract import SchedulerStatus, StatusQuery
-from tangram.discovery import StateLock, remove_mesh, write_mesh
+from tangram.discovery import (
+    StateLock,
+    free_port,
+    metrics_url,
+    remove_mesh,
+    update_mesh,
+    write_mesh,
+)
 from tangram.embedded import EmbeddedNats, EmbeddedPostgres, die_with_parent
 from tangram.errors import TangramError, Unavailable
+from tangram.supervisor import RestartPolicy, exited, supervise
 
 log = logging.getLogger(__name__)
 
-SERVICES = ("gateway", "scheduler", "cpu_manager", "quota_manager", "gpu_manager")
-STOP_ORDER = ("gateway", "cpu_manager", "quota_manager", "gpu_manager", "scheduler")
+SERVICES = (
+    *("gateway", "scheduler", "cpu_manager", "quota_manager", "gpu_manager", "dashboard"),
+    "reward_front",  # HTTP reward endpoints (slime, OpenRLHF): an intake, so it stops first
+)
+STOP_ORDER = (
+    "reward_front",
+    *("gateway", "cpu_manager", "quota_manager", "gpu_manager", "scheduler", "dashboard"),
+)
 
 # A service stopping on SIGTERM may take up to twice its drain bound (the scheduler drains its
 # handlers, then its durable writers) plus fixed waits, each bounded in its own ``on_stop``. The
@@ -53,6 +74,16 @@ class MeshOptions:
     nats_port: int | None = None  # the embedded NATS's port, if free (None: any free port)
     quota_manager: bool = True  # run the quota node agent (HTTP calls under quotas)
     gpu_manager: bool = True  # run one GPU node agent (CPU stand-ins where no GPU answers)
+    dashboard: bool = True  # run the dashboard (its URL in mesh.json as dashboard_url)
+    dashboard_port: int | None = None  # its port, if free (None: any free port)
+    reward_front: bool = True  # run services/reward_front (its URL: reward_front_url)
+    reward_front_port: int | None = None  # its port, if free (None: any free port)
+    # Locked down (`tangram up`): credentials per role and subject permissions on the embedded
+    # NATS, and the process backend's actions as per-trajectory uids (when run as root).
+    secure: bool = False
+    schedulers: int = 1  # the first leads, the others stand by (`tangram up`: 2)
+    supervise: bool = False  # restart what dies unexpectedly (`tangram up` turns it on)
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
 
 class Mesh:
@@ -66,6 +97,12 @@ class Mesh:
         self.nats_url = opts.nats_url or ""
         self.postgres_dsn = opts.postgres_dsn or ""
         self.lock = StateLock(opts.state_dir)
+        self.dashboard_url = ""
+        self.reward_front_url = ""
+        self.auth: auth.MeshAuth | None = None  # made with the embedded NATS when opts.secure
+        self.supervising = False
+        self._supervisors: dict[str, asyncio.Task[None]] = {}  # by process key
+        self.ops_ports: dict[str, int] = {}  # service key -> its ops endpoint's port (kept)
 
     async def __aenter__(self) -> Mesh:
         await self.start()
@@ -81,24 +118,94 @@ class Mesh:
         state.mkdir(parents=True, exist_ok=True)
         self.lock.acquire()  # before any server touches the dir: a second mesh is told who
         if not self.nats_url:
-            nats = EmbeddedNats(state / "nats", port=_if_free(self.opts.nats_port))
+            conf = self._auth_config()
+            nats = EmbeddedNats(state / "nats", port=_if_free(self.opts.nats_port), config=conf)
             self.nats = await asyncio.to_thread(nats.start)
             self.nats_url = self.nats.url
         if not self.postgres_dsn:
             pg = EmbeddedPostgres(state / "postgres", fsync=self.opts.fsync)
             self.pg = await asyncio.to_thread(pg.start)
             self.postgres_dsn = self.pg.dsn
-        write_mesh(state, self.nats_url, self.postgres_dsn)
+        creds = self.auth.mesh_fields() if self.auth is not None else {}
+        if self.opts.dashboard and not self.dashboard_url:
+            port = _if_free(self.opts.dashboard_port) or free_port()
+            self.dashboard_url = f"http://127.0.0.1:{port}"
+        creds["dashboard_url"] = self.dashboard_url
+        write_mesh(state, self.nats_url, self.postgres_dsn, **creds)
+
+    def _auth_config(self) -> Path | None:
+        """With auth on: every principal's credentials, and the broker's config admitting them."""
+        if not self.opts.secure:
+            return None
+        self.auth = auth.MeshAuth(self.opts.state_dir)
+        agents = [("cpu_manager", i) for i in range(self.opts.nodes)]
+        agents += [("quota_manager", 0), ("gpu_manager", 0)]
+        return self.auth.server_config((n, self.service_env(n, i)) for n, i in agents)
+
+    @property
+    def client_creds(self) -> Path | None:
+        return self.auth.client_creds if self.auth is not None else None
+
+    @property
+    def ops_creds(self) -> Path | None:
+        return self.auth.ops_creds if self.auth is not None else None
 
     async def restart_nats(self) -> None:
         assert self.nats is not None
+        await self._unwatch("nats-server")
         await asyncio.to_thread(self.nats.kill)
         await asyncio.to_thread(self.nats.start)
+        self._watch_servers()
 
     async def restart_postgres(self) -> None:
         assert self.pg is not None
+        await self._unwatch("postgres")
         await asyncio.to_thread(self.pg.kill)
         await asyncio.to_thread(self.pg.start)
+        self._watch_servers()
+
+    # ------------------------------------------------------------------ supervision
+
+    def supervise(self) -> None:
+        """From now on restart every process of this mesh that dies unexpectedly."""
+        self.supervising = True
+        self._watch_servers()
+        for key in self.procs:
+            self._watch_service(key)
+
+    def _watch_servers(self) -> None:
+        if self.nats is not None:
+            self._watch("nats-server", _server_exit(self.nats), _server_start(self.nats))
+        if self.pg is not None:
+            self._watch("postgres", _server_exit(self.pg), _server_start(self.pg))
+
+    def _watch_service(self, key: str) -> None:
+        async def wait() -> int | None:
+            return await self.procs[key].wait()
+
+        name, _, index = key.partition(".")
+        self._watch(key, wait, lambda: self._spawn(name, int(index or 0)))
+
+    def _watch(
+        self,
+        key: str,
+        wait: Callable[[], Awaitable[int | None]],
+        start: Callable[[], Awaitable[None]],
+    ) -> None:
+        if not self.supervising or key in self._supervisors:
+            return
+        task = asyncio.get_running_loop().create_task(
+            supervise(key, wait, start, self.opts.restart), name=f"supervise:{key}"
+        )
+        self._supervisors[key] = task
+        task.add_done_callback(_supervisor_done)
+
+    async def _unwatch(self, key: str) -> None:
+        """Stop supervising ``key`` (before it is stopped or killed on purpose)."""
+        task = self._supervisors.pop(key, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
 
     # ------------------------------------------------------------------ services
 
@@ -111,24 +218,42 @@ class Mesh:
                 "TANGRAM_SCHEDULER_POLICY": self.opts.policy,
                 "TANGRAM_CPU_BACKEND": self.opts.backend,
                 "TANGRAM_CPU_STATE_DIR": str(self.opts.state_dir),
+                "TANGRAM_CPU_TRAJECTORY_UIDS": str(self.opts.secure).lower(),
+                "TANGRAM_DASHBOARD_PORT": self.dashboard_url.rpartition(":")[2] or "0",
                 "PYTHONUNBUFFERED": "1",
             }
         )
         if name == "cpu_manager":
             env["TANGRAM_CPU_NODE_ID"] = f"node{index}"
         env.update(self.opts.env)
+        creds = self.auth.service_creds(name, env) if self.auth is not None else None
+        if creds is not None:
+            env[auth.CREDS_VAR] = str(creds)
+        if name == "reward_front":  # a client of the gateway, on the port chosen for it
+            env["TANGRAM_REWARD_FRONT_PORT"] = self.reward_front_url.rpartition(":")[2] or "0"
+            if self.auth is not None:
+                env[auth.CREDS_VAR] = str(self.auth.client_creds)
         return env
 
     async def start_service(self, name: str, index: int = 0) -> None:
-        key = name if name != "cpu_manager" else f"cpu_manager.{index}"
+        """Start one service process (its ``index``-th), supervised if this mesh supervises."""
+        await self._spawn(name, index)
+        self._watch_service(service_key(name, index))
+
+    async def _spawn(self, name: str, index: int) -> None:
+        key = service_key(name, index)
         log_path = self.opts.state_dir / "logs" / f"{key}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        port = self.ops_ports.setdefault(key, free_port())
+        env = {**self.service_env(name, index), "TANGRAM_OPS_PORT": str(port)}
+        url = metrics_url(f"http://127.0.0.1:{port}")
+        update_mesh(self.opts.state_dir, metrics_urls={key: url})
         with open(log_path, "ab") as out:  # noqa: ASYNC230 (a local file, opened once)
             self.procs[key] = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
                 f"services.{name}",
-                env=self.service_env(name, index),
+                env=env,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
@@ -146,7 +271,22 @@ class Mesh:
         if self.opts.gpu_manager:
             await self.start_service("gpu_manager")
         await self.start_service("gateway")
+        if self.opts.dashboard:
+            await self.start_service("dashboard")
+        if self.opts.reward_front:
+            await self.start_reward_front()
         await self.wait_ready(timeout_s)
+        for i in range(1, self.opts.schedulers):  # once the first one leads
+            await self.start_service("scheduler", i)
+        if self.opts.supervise:
+            self.supervise()
+
+    async def start_reward_front(self) -> None:
+        """The reward endpoints' HTTP front on its port (when free), a client of the mesh."""
+        port = _if_free(self.opts.reward_front_port) or free_port()
+        self.reward_front_url = f"http://127.0.0.1:{port}"
+        update_mesh(self.opts.state_dir, reward_front_url=self.reward_front_url)
+        await self.start_service("reward_front")
 
     async def status(self, bus: Bus, timeout: float = 2.0) -> SchedulerStatus:
         st = await bus.request(subjects.SCHED_ACTIONS, StatusQuery(), timeout=timeout)
@@ -157,20 +297,21 @@ class Mesh:
     async def wait_ready(self, timeout_s: float = 60.0) -> SchedulerStatus:
         """Until the scheduler knows every node and a gateway answers (or a service died)."""
         deadline = time.monotonic() + timeout_s
-        bus = await Bus.connect(self.nats_url, "launcher")
+        bus = await Bus.connect(self.nats_url, "launcher", creds=self.ops_creds)
         try:
             while time.monotonic() < deadline:
                 self._check_alive()
                 with contextlib.suppress(TangramError):
                     st = await self.status(bus, timeout=1.0)
-                    if st.nodes >= self.expected_nodes() and await self._gateway_answers(bus):
+                    if st.nodes >= self.expected_nodes() and await self.gateway_answers(bus):
                         return st
                 await asyncio.sleep(0.1)
         finally:
             await bus.close()
         raise Unavailable(f"mesh not ready after {timeout_s}s; logs in {self.opts.state_dir}/logs")
 
-    async def _gateway_answers(self, bus: Bus) -> bool:
+    async def gateway_answers(self, bus: Bus) -> bool:
+        """Whether a gateway answers a request (a result query for no action)."""
         from tangram.contract import GetResult
         from tangram.errors import NotFound
 
@@ -188,14 +329,15 @@ class Mesh:
 
     def _check_alive(self) -> None:
         for key, proc in self.procs.items():
-            if proc.returncode is not None:
+            if proc.returncode is not None and key not in self._supervisors:
                 raise Unavailable(f"{key} exited with {proc.returncode}; see its log")
 
     def pid(self, key: str) -> int:
         return self.procs[key].pid
 
     async def kill(self, key: str) -> None:
-        """kill -9 one service process."""
+        """kill -9 one service process (not restarted: its supervisor is stopped first)."""
+        await self._unwatch(key)
         proc = self.procs.pop(key)
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGKILL)
@@ -213,6 +355,7 @@ class Mesh:
     async def stop_service(self, key: str, timeout_s: float | None = None) -> int | None:
         """SIGTERM one service and wait for it to drain; SIGKILL it after ``timeout_s``
         (default: :meth:`stop_limit_s`). Returns its exit status."""
+        await self._unwatch(key)
         proc = self.procs.pop(key, None)
         if proc is None:
             return None
@@ -227,16 +370,48 @@ class Mesh:
             return await proc.wait()
 
     async def stop(self) -> None:
-        """Stop services in drain order, then the embedded servers."""
+        """Stop services in drain order, then the embedded servers; nothing is restarted
+        meanwhile. The processes of one service stop together: a standby scheduler is gone
+        before the leader lets its lock go, so it does not take over a mesh that is stopping."""
+        self.supervising = False
+        for key in list(self._supervisors):
+            await self._unwatch(key)
         for name in STOP_ORDER:
-            for key in [k for k in self.procs if k.split(".")[0] == name]:
-                await self.stop_service(key)
+            keys = [k for k in self.procs if k.split(".")[0] == name]
+            await asyncio.gather(*(self.stop_service(key) for key in keys))
         if self.pg is not None:
             await asyncio.to_thread(self.pg.stop)
         if self.nats is not None:
             await asyncio.to_thread(self.nats.stop)
         remove_mesh(self.opts.state_dir)
         self.lock.release()
+
+
+def service_key(name: str, index: int = 0) -> str:
+    """The key of a service process: its name, with its index when it runs several (the node
+    agents always: ``cpu_manager.0``; a standby scheduler: ``scheduler.1``)."""
+    return f"{name}.{index}" if name == "cpu_manager" or index else name
+
+
+def _server_exit(server: EmbeddedNats | EmbeddedPostgres) -> Callable[[], Awaitable[int | None]]:
+    async def wait() -> int | None:
+        assert server.proc is not None
+        return await exited(server.proc)
+
+    return wait
+
+
+def _server_start(server: EmbeddedNats | EmbeddedPostgres) -> Callable[[], Awaitable[None]]:
+    async def start() -> None:  # on its port and data dir as before: URLs do not change
+        await asyncio.to_thread(server.start)
+
+    return start
+
+
+def _supervisor_done(task: asyncio.Task[None]) -> None:
+    """A supervisor ends only when cancelled; one that died says so (it restarts no more)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s died: %r", task.get_name(), task.exception())
 
 
 def _if_free(port: int | None) -> int | None:

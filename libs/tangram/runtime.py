@@ -3,7 +3,9 @@
 A service is an async context manager-like object with ``start()``/``stop()`` hooks.
 :func:`serve_forever` runs one until SIGTERM/SIGINT (which only set an Event) or until a
 background task it owns dies, then stops it within the drain bound and re-raises the fatal
-error, if any.
+error, if any. :func:`run_service` also serves the process's ops endpoint
+(:mod:`tangram.ops_http`: metrics, liveness, readiness) from before the service starts until
+after it has stopped.
 """
 
 from __future__ import annotations
@@ -14,16 +16,20 @@ import enum
 import gc
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
     from tangram.config import MeshConfig
 
 Overrides = Mapping[str, Any] | None
 # How a service is built: load its config (env vars, then ``overrides``), open what it needs
 # (bus, pool) on ``stack`` -- which closes them after the service has stopped -- and construct it.
 Build = Callable[[contextlib.AsyncExitStack, Overrides], Awaitable[tuple["MeshConfig", "Service"]]]
+# A readiness check of one dependency (the bus, a pool): true while it is usable.
+Probe = Callable[[], Awaitable[bool]]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +57,16 @@ class Service:
 
     async def on_stop(self, grace_s: float) -> None:
         """Stop intake, drain in-flight work within ``grace_s``, close (subclass hook)."""
+
+    def dependencies(self) -> Mapping[str, Probe]:
+        """What must be usable for the service to be ready, by name (subclass hook; see
+        ``ops_http.bus_probe``, ``ops_http.pool_probe``)."""
+        return {}
+
+    def collect(self) -> Iterable[Metric]:
+        """Gauges of the service's state, built from its books at each scrape (subclass hook;
+        the families come from ``tangram.metrics``)."""
+        return ()
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run a background task owned by this service; if it dies, the service stops."""
@@ -156,11 +172,15 @@ def settle_heap() -> None:
 
 async def run_service(name: str, build: Build, overrides: Overrides = None) -> None:
     """Build one service, serve it until SIGTERM/SIGINT, then close what it was given."""
-    from tangram import telemetry
+    from tangram import ops_http, telemetry
 
     async with contextlib.AsyncExitStack() as stack:
         mesh, service = await build(stack, overrides)
-        telemetry.setup(f"tangram-{name}", mesh.otel_endpoint)
+        await stack.enter_async_context(ops_http.serving(service, mesh.ops_host, mesh.ops_port))
+        telemetry.setup(
+            f"tangram-{name}", mesh.otel_endpoint, traces_per_s=mesh.stored_traces_per_s
+        )
+        await telemetry.ship_spans(stack, mesh.nats_url, f"tangram-{name}")
         try:
             await serve_forever(service, mesh.drain_s)
         finally:

@@ -28,6 +28,8 @@ from tangram.contract import (
     Services,
     Submitted,
 )
+from tangram.contract.spans import SpanBatch
+from tangram.contract.state import Prefetch
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
@@ -69,8 +71,15 @@ SCHED_NODES: Final = Endpoint[NodeMessage, Ack](
 )
 # The scheduler's load, every tick, to every gateway (no queue group): admission control.
 SCHED_PRESSURE: Final = Endpoint[Pressure, None](f"{PREFIX}.sched.pressure", Pressure, None)
+# Finished spans from every service, fire-and-forget, to the dashboard that stores them.
+SPANS: Final = Endpoint[SpanBatch, None](f"{PREFIX}.spans", SpanBatch, None, "dashboard")
 # A command (Reconcile) to every node agent: no queue group, so each agent gets it.
 NODES_BROADCAST: Final = Endpoint[NodeCommand, Ack](f"{PREFIX}.nodes.all", NodeCommand, Ack)
+
+
+def prefetch(node_id: str) -> Endpoint[Prefetch, Ack]:
+    """Prefetch hints to one GPU node (fire-and-forget; a request gets Ack or an error)."""
+    return Endpoint[Prefetch, Ack](f"{PREFIX}.node.{node_id}.prefetch", Prefetch, Ack)
 
 
 def node(node_id: str) -> Endpoint[NodeCommand, Ack]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from tangram.contract import ErrorKind
 
@@ -76,3 +76,11 @@ class Backend(Protocol):
 
     def envs(self) -> dict[str, float]:
         """Live environments: trajectory_id -> monotonic time of last use."""
+
+
+@runtime_checkable
+class Tiered(Protocol):
+    """A backend that moves idle environments to disk (the Docker backend)."""
+
+    def envs_on_disk(self) -> tuple[str, ...]:
+        """Of ``envs``, those saved to disk, their containers removed."""

@@ -19,6 +19,7 @@ from services.cpu_manager.docker import engine as docker_engine
 from services.cpu_manager.docker import sandbox_image
 from services.cpu_manager.docker.backend import DockerBackend
 from services.cpu_manager.docker.engine import DockerFailure
+from services.cpu_manager.process import users
 from services.cpu_manager.process.backend import ProcessBackend, ProcessConfig
 from tangram.errors import Unavailable
 
@@ -41,7 +42,12 @@ def _fallback(cfg: CpuManagerConfig, why: str) -> Choice:
         raise Unavailable(f"docker backend requested but {why}")
     if os.environ.get(CONTAINER_VAR):  # the process backend would run actions in here, unisolated
         raise Unavailable(f"no fallback to the process backend inside a container ({why})")
-    return Choice("process", f"process backend ({why}; NOT isolated)")
+    return Choice("process", f"process backend ({why}; {_users(cfg)}; NOT isolated)")
+
+
+def _users(cfg: CpuManagerConfig) -> str:
+    """Whom the process backend's actions would run as (file ownership is all it separates)."""
+    return users.run_as(cfg.env_root(), wanted=cfg.trajectory_uids).line()
 
 
 def _missing_image(cfg: CpuManagerConfig) -> str:
@@ -66,7 +72,7 @@ async def _ensure_image(cfg: CpuManagerConfig, build: bool) -> tuple[bool, str]:
 async def choose(cfg: CpuManagerConfig, *, build_image: bool = False) -> Choice:
     """Docker or process, and why; with ``build_image`` a missing default image is built."""
     if cfg.backend == "process":
-        return Choice("process", "process backend (as configured; NOT isolated)")
+        return Choice("process", f"process backend (as configured; {_users(cfg)}; NOT isolated)")
     version = await asyncio.to_thread(docker_engine.probe, cfg.docker.docker_host, PROBE_TIMEOUT_S)
     if version is None:
         where = cfg.docker.docker_host or "the default socket"
@@ -89,6 +95,11 @@ async def make_backend(cfg: CpuManagerConfig, incarnation: str) -> tuple[Backend
     if choice.backend == "docker":
         return DockerBackend(cfg.docker_for(incarnation)), choice.line
     process = ProcessBackend(
-        ProcessConfig(root=cfg.env_root(), node_id=cfg.node_id, incarnation=incarnation)
+        ProcessConfig(
+            root=cfg.env_root(),
+            node_id=cfg.node_id,
+            incarnation=incarnation,
+            trajectory_uids=cfg.trajectory_uids,
+        )
     )
     return process, choice.line

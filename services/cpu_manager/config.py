@@ -34,6 +34,9 @@ class CpuManagerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     memory_mb: int = 0  # memory to offer (default: all of it)
     heartbeat_s: float = 1.0
     env_ttl_s: float = 3600.0
+    # The process backend run as root: each trajectory's actions as an unprivileged uid of its
+    # own, its directory closed to the others (off: as the agent's user; see process.users).
+    trajectory_uids: bool = True
     docker: DockerConfig = msgspec.field(default_factory=DockerConfig)
 
     def env_root(self) -> Path:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from services.cpu_manager import config, inventory
-from services.cpu_manager.backend_api import Backend, ExecRequest
+from services.cpu_manager.backend_api import Backend, ExecRequest, Tiered
 from services.cpu_manager.choice import make_backend
 from services.cpu_manager.config import CpuManagerConfig
 from services.cpu_manager.dop import substitute_dop
@@ -59,8 +59,8 @@ class CpuExecutor:
         await self.backend.start()
         if not self.backend.isolates:
             log.warning(
-                "node %s: the %s backend does NOT isolate trajectories (same user, "
-                "same filesystem, same network)",
+                "node %s: the %s backend does NOT isolate trajectories further than file "
+                "ownership (same filesystem, same network, same processes)",
                 self.cfg.node_id,
                 self.backend.name,
             )
@@ -82,6 +82,10 @@ class CpuExecutor:
 
     async def drop_env(self, trajectory_id: str) -> None:
         await self.backend.drop_env(trajectory_id)
+
+    def envs_on_disk(self) -> tuple[str, ...]:
+        """Environments saved to disk (a backend that tiers them), holding no memory."""
+        return self.backend.envs_on_disk() if isinstance(self.backend, Tiered) else ()
 
     def envs(self) -> dict[str, float]:
         """Last use on the agent's wall clock (a backend keeps monotonic times)."""

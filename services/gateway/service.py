@@ -22,7 +22,7 @@ from services.gateway import config, quotas_api, services_api, store
 from services.gateway.admission import Admission
 from services.gateway.config import GatewayConfig
 from services.gateway.formulation import Limits, formulate
-from tangram import db, subjects, telemetry
+from tangram import db, ops_http, subjects, telemetry
 from tangram.bus import BaseBus, open_bus
 from tangram.config import MeshConfig
 from tangram.contract import (
@@ -54,7 +54,7 @@ from tangram.contract import (
     batches,
 )
 from tangram.errors import Busy, InvalidRequest, NotFound, TangramError
-from tangram.runtime import Service
+from tangram.runtime import Probe, Service
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,9 @@ class Gateway(Service):
         await self.intake.close()
         await self.lookups.close()
         await self._intake_conn.release()
+
+    def dependencies(self) -> dict[str, Probe]:
+        return {"bus": ops_http.bus_probe(self.bus), "postgres": ops_http.pool_probe(self.pool)}
 
     async def handle(self, req: GatewayRequest, msg: Msg) -> Reply:
         match req:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import threading
 from collections.abc import Mapping
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from services.gpu_manager.host_copy import HostCopy, Resident
 from services.gpu_manager.residency import Placement
 from services.gpu_manager.services import Handle, build_service
+from services.gpu_manager.state.copy import StoredCopy
+from services.gpu_manager.state.manager import StateManager
 from tangram.contract import PreparedService, ServiceSpec
 from tangram.errors import TangramError
 
@@ -29,13 +32,16 @@ MB = 1 << 20
 @dataclass(slots=True)
 class Prepared:
     """A service ready to run (``copy`` and ``handle`` set) or failed (``error`` set);
-    ``measured``: the most a run has shown one copy to hold on a device (0: none yet)."""
+    ``measured``: the most a run has shown one copy to hold on a device (0: none yet);
+    ``state_id``: its name in the StateManager's tiers (each build its own: a late or
+    replaced build never touches a newer one's state)."""
 
     spec: ServiceSpec
-    copy: HostCopy | None = None
+    copy: HostCopy | StoredCopy | None = None
     handle: Handle | None = None
     error: str = ""
     measured: int = 0
+    state_id: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -44,21 +50,33 @@ class Prepared:
         return max(self.copy.nbytes if self.copy is not None else 0, self.measured)
 
 
-def prepare(spec: ServiceSpec, *, pin: bool | None = None) -> Prepared:
-    """Build ``spec``'s service and capture its host copy. Blocking; never raises for the
-    factory's faults (they are the entry's error)."""
+_builds = itertools.count()
+
+
+def prepare(
+    spec: ServiceSpec, state: StateManager | None = None, *, pin: bool | None = None
+) -> Prepared:
+    """Build ``spec``'s service and capture its state: into ``state``'s tiers (deduplicated
+    by content), or one host copy of its own without. Blocking; never raises for the
+    factory's faults (they are the entry's error), nor when the tiers cannot hold it."""
+    state_id = f"{spec.name}#{next(_builds)}"
     try:
         built = build_service(spec.factory)
-        copy = HostCopy(built.model, pin=pin)
+        if state is None:
+            copy: HostCopy | StoredCopy = HostCopy(built.model, pin=pin)
+        else:
+            copy = state.capture(state_id, built.model)
     except TangramError as exc:
         return Prepared(spec, error=exc.message)
     except Exception as exc:  # a model the host copy cannot capture is the user's fault too
         log.warning("service %s: cannot keep a host copy", spec.name, exc_info=True)
         return Prepared(spec, error=f"service {spec.name}: cannot copy its state: {exc!r}")
-    return Prepared(spec, copy, built.handle)
+    return Prepared(spec, copy, built.handle, state_id=state_id)
 
 
-async def bounded_prepare(spec: ServiceSpec, timeout_s: float) -> Prepared:
+async def bounded_prepare(
+    spec: ServiceSpec, timeout_s: float, state: StateManager | None = None
+) -> Prepared:
     """``prepare`` in a thread of its own, its wait bounded by ``timeout_s`` (the
     service failed, naming the timeout, when its factory has not returned by then).
 
@@ -71,7 +89,9 @@ async def bounded_prepare(spec: ServiceSpec, timeout_s: float) -> Prepared:
     done: asyncio.Future[Prepared] = loop.create_future()
 
     def build() -> None:
-        entry = prepare(spec)
+        entry = prepare(spec, state)
+        if done.done() and state is not None:  # abandoned: nobody will forget its state
+            state.forget(entry.state_id)
         with contextlib.suppress(RuntimeError):  # the loop closed while it built
             loop.call_soon_threadsafe(_settle, done, entry)
 
@@ -93,10 +113,13 @@ def _settle(fut: asyncio.Future[Prepared], entry: Prepared) -> None:
 
 @dataclass(slots=True)
 class Ran:
-    """What a variant ran since the agent started: calls, and the batches they formed."""
+    """What a variant ran since the agent started: calls, the batches they formed, and how
+    many calls found it on their device already, or all in host memory."""
 
     calls: int = 0
     batches: int = 0
+    device_hits: int = 0
+    host_hits: int = 0
 
 
 def variant(name: str, dop: int) -> str:
@@ -141,5 +164,17 @@ class Catalog:
                 devices = tuple(sorted(d for s, n in chunks for d in range(s, s + n)))
                 mb = -(-e.nbytes // MB)
                 r = (ran or {}).get(variant(name, dop), Ran())
-                out.append(PreparedService(name, dop, mb, devices, e.error, r.calls, r.batches))
+                out.append(
+                    PreparedService(
+                        name,
+                        dop,
+                        mb,
+                        devices,
+                        e.error,
+                        r.calls,
+                        r.batches,
+                        device_hits=r.device_hits,
+                        host_hits=r.host_hits,
+                    )
+                )
         return tuple(out)

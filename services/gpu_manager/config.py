@@ -4,6 +4,9 @@
 stand-ins), ``nvml`` (GPUs or fail) or ``cpu``; ``TANGRAM_GPU_CPU_DEVICES`` and
 ``TANGRAM_GPU_CPU_BUDGET_MB`` shape the CPU stand-ins. A bad value fails at load, naming it.
 
+``TANGRAM_GPU_HOST_BUDGET_MB``, ``TANGRAM_GPU_STATE_DIR`` and ``TANGRAM_GPU_DISK_BUDGET_MB``
+shape the state tiers (``state/``); ``TANGRAM_GPU_PREFETCH=false`` ignores the scheduler's hints.
+
 ``TANGRAM_GPU_PREPARE_TIMEOUT_S`` bounds one service's import and build. The timeouts of a
 registration nest, each shorter than the one waiting on it, so the caller hears the innermost
 (the typed error naming the stuck factory) rather than a bare timeout: this one (90 s) <
@@ -20,6 +23,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from services.gpu_manager.devices import DevicesConfig
+from services.gpu_manager.state.manager import StateConfig
 from tangram import config
 from tangram.config import MeshConfig
 
@@ -41,6 +45,21 @@ class GpuManagerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     torch_threads: Annotated[int, msgspec.Meta(ge=0)] = 0  # per process; 0 = torch's default
     # one service's import and build (see the module docstring for how the timeouts nest)
     prepare_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 90.0
+    # model state tiers below the devices (state/): host memory (0 MB: unbounded) and a disk
+    # directory (empty: no disk tier); scheduler hints promote queued services ahead of calls
+    host_budget_mb: Annotated[int, msgspec.Meta(ge=0)] = 0
+    state_dir: str = ""
+    disk_budget_mb: Annotated[int, msgspec.Meta(ge=0)] = 0
+    state_verify: bool = False  # hash every stored file at start (lengths are always checked)
+    prefetch: bool = True
+
+    def state(self) -> StateConfig:
+        return StateConfig(
+            host_budget_mb=self.host_budget_mb,
+            disk_dir=self.state_dir,
+            disk_budget_mb=self.disk_budget_mb,
+            verify_on_start=self.state_verify,
+        )
 
     def devices(self) -> DevicesConfig:
         return DevicesConfig(

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from tangram import contract
 from tangram.chunks import Chunk, root_chunks
 from tangram.errors import Unavailable
 
@@ -56,6 +57,20 @@ class Inventory:
         """One line for the operator: what runs here."""
         mb = {d.budget_bytes // MB for d in self.devices}
         return f"{len(self.devices)} {self.kind} device(s), budget {'/'.join(map(str, mb))} MB"
+
+    def offer(self, restore_gb_per_s: float) -> contract.Inventory:
+        """What the GPU node offers the scheduler."""
+        gpus = tuple(
+            contract.GpuDevice(index=d.index, memory_mb=d.budget_bytes // MB, name=d.name)
+            for d in self.devices
+        )
+        return contract.Inventory(
+            kind="gpu",
+            gpus=gpus,
+            memory_mb=sum(g.memory_mb for g in gpus),
+            backend=self.kind,
+            restore_gb_per_s=restore_gb_per_s,
+        )
 
 
 def cpu_inventory(cfg: DevicesConfig) -> Inventory:

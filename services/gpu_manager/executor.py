@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from nats.aio.msg import Msg
 
 from services.gpu_manager import catalog, devices
 from services.gpu_manager.batching import Batch, BatchFormer, Call, Output, fault_of, run_batch
@@ -32,12 +33,16 @@ from services.gpu_manager.catalog import Catalog, Prepared, Ran, variant
 from services.gpu_manager.config import GpuManagerConfig
 from services.gpu_manager.host_copy import Resident, held_bytes
 from services.gpu_manager.outcomes import outcome_of, refused
+from services.gpu_manager.prefetch import Prefetcher
 from services.gpu_manager.residency import Grant, Residency, snapshot
+from services.gpu_manager.state.manager import StateManager
+from services.gpu_manager.state.tiers import TierFull
+from tangram import metrics
 from tangram.chunks import Chunk, chunk_of
 from tangram.contract import (
+    Ack,
     Dispatch,
     ErrorKind,
-    GpuDevice,
     InferAction,
     Inventory,
     Outcome,
@@ -45,7 +50,8 @@ from tangram.contract import (
     ServiceSpec,
     kind_of,
 )
-from tangram.errors import TangramError
+from tangram.contract.state import Prefetch
+from tangram.errors import InvalidRequest, TangramError
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +90,8 @@ class GpuExecutor:
         self._ids = itertools.count()
         self._prep_lock = asyncio.Lock()
         self._runner: concurrent.futures.ThreadPoolExecutor | None = None
+        self.state = StateManager(cfg.state())
+        self.prefetcher = Prefetcher(self, enabled=cfg.prefetch)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -91,17 +99,21 @@ class GpuExecutor:
         if self.cfg.torch_threads:
             torch.set_num_threads(self.cfg.torch_threads)
         self.devices = await asyncio.to_thread(devices.discover, self.cfg.devices())
+        stored = await asyncio.to_thread(self.state.start)
+        if stored:
+            log.info("node %s: %d tensors in the state store", self.cfg.node_id, stored)
         gbps = await asyncio.to_thread(measure_bandwidth, self.devices)
         self.residency = Residency(tuple(d.budget_bytes for d in self.devices.devices))
         n = max(1, len(self.devices.devices))
         self._runner = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="gpu-run")
         log.warning("node %s: %s, restore %.1f GB/s", self.cfg.node_id, self.describe(), gbps)
-        return inventory(self.devices, gbps)
+        return self.devices.offer(gbps)
 
     def describe(self) -> str:
         return self.devices.describe()
 
     async def close(self) -> None:
+        await self.prefetcher.close()
         for call_id in list(self._waiters):
             self._cancel_queued(call_id, ErrorKind.NODE_DIED, "the gpu_manager stopped")
         for task in list(self._batches):
@@ -125,12 +137,16 @@ class GpuExecutor:
         """Build what is new or changed, one at a time, each bounded by the prepare timeout."""
         async with self._prep_lock:
             for spec in self.catalog.missing(list(services)):
-                self._keep(await catalog.bounded_prepare(spec, self.cfg.prepare_timeout_s))
+                timeout_s = self.cfg.prepare_timeout_s
+                await self._keep(await catalog.bounded_prepare(spec, timeout_s, self.state))
 
-    def _keep(self, entry: Prepared) -> None:
+    async def _keep(self, entry: Prepared) -> None:
         if entry.error:
             log.warning("service %s: %s", entry.spec.name, entry.error)
         busy = {g.placement for g in self.residency.running.values()}
+        old = self.catalog.get(entry.spec.name)
+        if old is not None and old.state_id:  # its restores in flight keep their keys pinned
+            await asyncio.to_thread(self.state.forget, old.state_id)
         for p in self.catalog.put(entry):  # the replaced spec's copies, where idle
             if p not in busy:
                 self.catalog.loaded.pop(p, None)
@@ -273,6 +289,9 @@ class GpuExecutor:
         except Exception as exc:  # the restore failed (out of memory, a lost device)
             log.warning("restore of %s failed", grant.placement, exc_info=True)
             done = Pass(0.0, None, _restore_failed(batch, exc))
+        restored = None if resident is not None else done.resident is not None
+        service = grant.placement.service
+        metrics.gpu_pass(self.cfg.node_id, service, len(grant.evict), restored, done.restore_s)
         done = self._remeasured(grant, entry, done)
         # A spec replaced while this batch ran: its copy is not kept for the next call.
         keep = done.resident is not None and self.catalog.get(entry.spec.name) is entry
@@ -282,12 +301,17 @@ class GpuExecutor:
         else:
             self.catalog.loaded.pop(grant.placement, None)
         if done.resident is not None:
-            ran = self.ran.setdefault(grant.placement.service, Ran())
-            ran.calls, ran.batches = ran.calls + len(batch.calls), ran.batches + 1
+            self._count(grant.placement.service, len(batch.calls), done.found)
         times = {"started": started, "finished": self.clock(), "restore_s": done.restore_s}
         for out in done.outs:
             self._resolve(out.call_id, outcome_of(out, entry.spec, **times))
         self._pump()
+
+    def _count(self, key: str, calls: int, found: str) -> None:
+        ran = self.ran.setdefault(key, Ran())
+        ran.calls, ran.batches = ran.calls + calls, ran.batches + 1
+        ran.device_hits += calls if found in ("device", "device only") else 0
+        ran.host_hits += calls if found in ("device", "host") else 0
 
     def _remeasured(self, grant: Grant, entry: Prepared, done: Pass) -> Pass:
         """Re-measure the service by what the pass left on its device (reported from now on,
@@ -319,32 +343,96 @@ class GpuExecutor:
     def _work(self, grant: Grant, entry: Prepared, resident: Resident | None, batch: Batch) -> Pass:
         """In a worker thread: restore if not ``resident``, run the batch, measure what the
         service holds on the device after it. The caller keeps the copy."""
-        assert entry.copy is not None, "a batch runs only for a prepared service"
-        restore_s = 0.0
+        restore_s, found = 0.0, "device"
         if resident is None:
             t0 = time.perf_counter()
-            device = self.devices.devices[grant.placement.chunk.start].torch_device
-            resident = entry.copy.restore(device)
-            _sync(resident.device)
+            resident, found = self._restore(grant, entry)
             restore_s = time.perf_counter() - t0
+        elif not self.state.in_host(entry.state_id):
+            found = "device only"  # the host copy went to disk since; the arena is intact
         cuda = resident.device.type == "cuda"
         base = _peak_reset(resident.device) if cuda else 0
         outs = _isolated(resident.model, entry, batch)
         held = held_bytes(resident)
         if cuda:  # pragma: no cover - needs a GPU: the pass's working memory at its peak
             held += max(0, torch.cuda.max_memory_allocated(resident.device) - base)
-        return Pass(restore_s, resident, outs, held)
+        return Pass(restore_s, resident, outs, held, found)
+
+    def _restore(self, grant: Grant, entry: Prepared) -> tuple[Resident, str]:
+        """In a worker thread: the service onto the grant's chunk, promoted from disk to host
+        memory first if needed (and pinned there while it copies); where it was found."""
+        assert entry.copy is not None, "only a prepared service is restored"
+        device = self.devices.devices[grant.placement.chunk.start].torch_device
+        if not entry.state_id:  # a copy of its own (not in the tiers)
+            return entry.copy.restore(device), "host"
+        held = self.state.acquire(entry.state_id)
+        try:
+            resident = entry.copy.restore(device)
+            _sync(resident.device)
+        finally:
+            self.state.release(held)
+        return resident, "host" if held.was_host else "disk"
+
+    # ------------------------------------------------------------------ prefetch
+
+    def entry(self, name: str) -> Prepared | None:
+        return self.catalog.get(name)
+
+    def busy(self) -> set[str]:
+        """The services with calls waiting for a device or running here."""
+        waiting = {self.lanes[k].name for k in self.former.waiting() if k in self.lanes}
+        running = {g.placement.service.rpartition("/")[0] for g in self.residency.running.values()}
+        return waiting | running
+
+    async def on_prefetch(self, hint: Prefetch, msg: Msg) -> Ack:
+        """A scheduler's hint (see ``prefetch.py``); names not prepared here are refused,
+        the others prefetched."""
+        unknown = self.prefetcher.hint([(i.name, i.dop) for i in hint.services])
+        if unknown:
+            known = ", ".join(sorted(self.catalog.entries)) or "none"
+            raise InvalidRequest(
+                f"prefetch: services not prepared here: {', '.join(unknown)} (prepared: {known})"
+            )
+        return Ack()
+
+    async def warm(self, name: str, dop: int) -> bool:
+        """Restore ``name``'s ``dop`` variant onto a free chunk ahead of its calls: only while
+        no call waits for a device, only where it fits beside what is cached (nothing is
+        evicted, so nothing a running action uses); True if it is resident now."""
+        entry = self.catalog.get(name)
+        if entry is None or entry.copy is None or len(self.former) or dop not in entry.spec.dops:
+            return False
+        aid, key = f"warm-{next(self._ids)}", variant(name, dop)
+        grant = self.residency.warm(aid, key, dop, entry.nbytes, self.clock())
+        if grant is None:
+            return False
+        loop = asyncio.get_running_loop()
+        try:
+            resident, _ = await loop.run_in_executor(self._runner, self._restore, grant, entry)
+        except Exception:  # a hint is never an error: its calls will restore it themselves
+            log.warning("prefetch of %s onto %s failed", key, grant.placement, exc_info=True)
+            self.residency.release(aid, self.clock(), resident=False)
+            self._pump()
+            return False
+        keep = self.catalog.get(name) is entry
+        self.residency.release(aid, self.clock(), resident=keep)
+        if keep:
+            self.catalog.loaded[grant.placement] = resident
+        self._pump()
+        return keep
 
 
 @dataclass(frozen=True, slots=True)
 class Pass:
     """What one forward pass gave: its outputs, the copy on the device (None: dropped, the
-    restore or the device failed), and the bytes it held there after the pass."""
+    restore or the device failed), the bytes it held there after the pass, and where the
+    service was when the batch was granted (``device``, ``host``, ``disk``)."""
 
     restore_s: float
     resident: Resident | None
     outs: list[Output]
     held: int = 0
+    found: str = ""
 
 
 def _peak_reset(device: torch.device) -> int:  # pragma: no cover - needs a GPU
@@ -363,6 +451,9 @@ def _isolated(model: torch.nn.Module, entry: Prepared, batch: Batch) -> list[Out
 
 
 def _restore_failed(batch: Batch, exc: Exception) -> list[Output]:
+    if isinstance(exc, TierFull):  # host memory, not the device: never a lost GPU
+        why = f"restoring the service failed: {exc.message}"
+        return [Output(c.call_id, error=why, fault="oom") for c in batch.calls]
     fault = fault_of(exc)
     why = f"restoring the service failed: {exc!r}"
     return [
@@ -391,21 +482,6 @@ def measure_bandwidth(inv: devices.Inventory) -> float:
         _sync(device)
         best = min(best, time.perf_counter() - t0)
     return round(BANDWIDTH_BYTES / best / 1e9, 2)
-
-
-def inventory(inv: devices.Inventory, gbps: float) -> Inventory:
-    """What the GPU node offers the scheduler."""
-    mb = devices.MB
-    gpus = tuple(
-        GpuDevice(index=d.index, memory_mb=d.budget_bytes // mb, name=d.name) for d in inv.devices
-    )
-    return Inventory(
-        kind="gpu",
-        gpus=gpus,
-        memory_mb=sum(g.memory_mb for g in gpus),
-        backend=inv.kind,
-        restore_gb_per_s=gbps,
-    )
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

@@ -141,6 +141,27 @@ class Residency:
         self.busy.update(dict.fromkeys(got.positions(), action_id))
         return grant
 
+    def warm(
+        self, action_id: str, service: str, units: int, nbytes: int, now: float
+    ) -> Grant | None:
+        """Grant a free chunk to restore ``service`` ahead of its calls (a prefetch): only if
+        it is resident nowhere yet and fits beside what the chunk caches -- nothing is
+        evicted, so nothing a running action uses; None otherwise. Release it as an action."""
+        if self.resident(service) or action_id in self.running or nbytes > max(self.budgets):
+            return None
+        level = units_level(units)
+        got = self.pool.take(level, self._preference(service, CHUNK_SIZES[level], nbytes))
+        if got is None:
+            return None
+        if any(self.used(d) + nbytes > self.budgets[d] for d in got.positions()):
+            self.pool.give(got)
+            return None
+        grant = Grant(action_id, Placement(service, got), (), True)
+        self._touch(grant.placement, nbytes, now)
+        self.running[action_id] = grant
+        self.busy.update(dict.fromkeys(got.positions(), action_id))
+        return grant
+
     def release(self, action_id: str, now: float, *, resident: bool = True) -> Grant:
         """End an action; ``resident=False`` when its restore failed (nothing stays cached)."""
         grant = self.running.pop(action_id)

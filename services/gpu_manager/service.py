@@ -17,6 +17,7 @@ from typing import Any
 from services.gpu_manager import config
 from services.gpu_manager.config import GpuManagerConfig
 from services.gpu_manager.executor import GpuExecutor
+from tangram import subjects
 from tangram.agent import Agent, AgentConfig
 from tangram.bus import BaseBus, open_bus
 from tangram.config import MeshConfig
@@ -31,7 +32,10 @@ def node_agent(bus: BaseBus, cfg: GpuManagerConfig, incarnation: str | None = No
         incarnation=incarnation or uuid.uuid4().hex,
         heartbeat_s=cfg.heartbeat_s,
     )
-    return Agent(bus, GpuExecutor(cfg), agent_cfg, name="gpu_manager")
+    executor = GpuExecutor(cfg)
+    # prefetch hints bypass the agent's command path: advice, never fenced or reported
+    bus.serve(subjects.prefetch(cfg.node_id), executor.on_prefetch, max_in_flight=8)
+    return Agent(bus, executor, agent_cfg, name="gpu_manager")
 
 
 async def build(

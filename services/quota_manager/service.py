@@ -26,6 +26,7 @@ import msgspec
 from services.quota_manager import config
 from services.quota_manager.config import QuotaManagerConfig
 from services.quota_manager.http import AddressRefused, Call, Sent, Upstream
+from tangram import metrics
 from tangram.agent import Agent, AgentConfig
 from tangram.bus import BaseBus, open_bus
 from tangram.config import MeshConfig
@@ -94,7 +95,11 @@ class HttpExecutor:
             log.error("call %s failed unexpectedly: %s", aid, type(error).__name__)
             why = _scrub(f"{type(error).__name__}: {error}", key)
             return self._failed(ErrorKind.INTERNAL, why, sent.at or started)
-        return task.result()
+        outcome = task.result()
+        status = outcome.http.status if outcome.http is not None else None
+        quota = dispatch.quota.name if dispatch.quota is not None else ""
+        metrics.quota_call(quota, status, outcome.tokens_used)
+        return outcome
 
     async def kill(self, action_id: str) -> None:
         task = self._calls.get(action_id)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import time
 import uuid
@@ -23,8 +24,9 @@ from typing import Any
 
 import asyncpg
 from nats.aio.msg import Msg
+from prometheus_client.metrics_core import Metric
 
-from services.scheduler import config, gpu_shell, pressure, quota_store, store
+from services.scheduler import config, gauges, gpu_shell, pressure, quota_store, store
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core.effects import (
     DropEnvOnNode,
@@ -40,8 +42,11 @@ from services.scheduler.core.quota import QuotaCore
 from services.scheduler.core.quota_books import ask_of
 from services.scheduler.core.scheduler import SchedulerCore
 from services.scheduler.core.status import status_reply
+from services.scheduler.core.validate import problem
+from services.scheduler.health import Monitor
+from services.scheduler.leadership import Lead
 from services.scheduler.policies.spec import make_policy
-from tangram import db, subjects
+from tangram import db, metrics, ops_http, subjects
 from tangram.bus import BaseBus, open_bus
 from tangram.config import MeshConfig
 from tangram.contract import (
@@ -75,8 +80,8 @@ from tangram.contract import (
     UnifiedAction,
     batches,
 )
-from tangram.errors import TangramError
-from tangram.runtime import Service
+from tangram.errors import InvalidRequest, TangramError
+from tangram.runtime import Probe, Service
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +107,11 @@ class Scheduler(Service):
         pool: asyncpg.Pool,
         clock: Callable[[], float] = time.time,
         session: str = "",
+        lead: Lead | None = None,
     ) -> None:
         super().__init__()
         self.session = session  # this scheduler's Postgres session name (see store.fence)
+        self.lead = lead  # held (see leadership); watched while this scheduler serves
         self.cfg = cfg
         self.bus = bus
         self.pool = pool
@@ -112,6 +119,7 @@ class Scheduler(Service):
         self.core = SchedulerCore(make_policy(cfg.policy_spec()), cfg.core)
         self.quotas = QuotaCore(cfg.quota_config())  # http and lease actions
         self.epoch = 0
+        self.health = Monitor(cfg.health, self.core, self.quotas, bus, pool, clock, self.apply)
         # Node reports, not the started row, say whether an action started, so its commit need
         # not wait for the WAL flush; the terminal one always does.
         self._start_conn = db.Held(pool, db.CUSTOM_PLANS, "SET synchronous_commit = off")
@@ -122,6 +130,7 @@ class Scheduler(Service):
         self._commands: asyncio.Queue[_Command] = asyncio.Queue()
         self._dirty = asyncio.Event()
         self.registrations = gpu_shell.Registrations()
+        self.prefetch = gpu_shell.PrefetchHints()
         self._waits_logged: dict[str, str] = {}  # the placement waits already logged
         self._quota_wake: asyncio.TimerHandle | None = None  # see _arm_quota_wake
 
@@ -132,9 +141,12 @@ class Scheduler(Service):
             ended = await store.fence(self.pool, self.session)
             if ended:
                 log.warning("ended %d Postgres sessions of a previous scheduler", ended)
-        self.epoch = await store.take_lead(self.pool)
+        self.epoch = self.core.epoch = self.quotas.epoch = await store.take_lead(self.pool)
+        if self.lead is not None:  # lost, it stops this scheduler (Deposed)
+            self.spawn(self.lead.watch(self.epoch), "lead")
         self.core.restore_services(await gpu_shell.load_services(self.pool))
         await self._rebuild()
+        await self.health.restore()  # incarnations fenced before: refused from the start
         for writer, name in ((self.starts, "started-writer"), (self.records, "record-writer")):
             writer.start()
             self.spawn(writer.join(), name)  # a writer that stops on an error stops the service
@@ -147,6 +159,7 @@ class Scheduler(Service):
         self.spawn(self._decide_loop(), "decide")
         self.spawn(self._tick_loop(), "tick")
         self.spawn(self._sweep_loop(), "sweep")
+        self.spawn(self.health.run(), "health")
         log.info("scheduler epoch %d up, policy %s", self.epoch, self.core.policy.name)
 
     async def on_stop(self, grace_s: float) -> None:
@@ -154,6 +167,12 @@ class Scheduler(Service):
         await self.bus.stop_serving(grace_s)
         await asyncio.gather(*(w.close(grace_s) for w in (self.starts, self.records)))
         await asyncio.gather(self._start_conn.release(), self._record_conn.release())
+
+    def dependencies(self) -> dict[str, Probe]:
+        return {"bus": ops_http.bus_probe(self.bus), "postgres": ops_http.pool_probe(self.pool)}
+
+    def collect(self) -> list[Metric]:
+        return gauges.families(self.core, self.quotas, self.clock())
 
     async def _rebuild(self) -> None:
         """Rebuild the books from Postgres; node reports confirm them (see core)."""
@@ -178,10 +197,16 @@ class Scheduler(Service):
         else:
             self.quotas.enqueue(row.action, now)
 
-    def _enqueue(self, action: UnifiedAction, now: float) -> None:
-        """An http or lease action goes to the quota core, any other to the node core."""
+    def _enqueue(self, action: UnifiedAction, now: float) -> str | None:
+        """An http or lease action goes to the quota core, any other to the node core; one
+        the core could not read is refused (see core.validate): why, or None."""
+        why = problem(action)
+        if why is not None:
+            log.warning("refused an enqueued action: %s", why)
+            return why
         core = self.quotas if ask_of(action) is not None else self.core
         core.enqueue(action, now)
+        return None
 
     def _writer(self, name: str, conn: db.Held) -> db.GroupCommit[store.Record, None]:
         """A durable writer on its own held connection (started with the service)."""
@@ -200,14 +225,12 @@ class Scheduler(Service):
     ) -> Ack | SchedulerStatus | Services | Resources | None:
         now = self.clock()
         match req:
-            case Enqueue(action=action):
-                self._enqueue(action, now)
+            case Enqueue() | EnqueueMany():
+                actions = (req.action,) if isinstance(req, Enqueue) else req.actions
+                refused = [why for a in actions if (why := self._enqueue(a, now)) is not None]
                 self._dirty.set()
-                return None
-            case EnqueueMany(actions=actions):
-                for action in actions:
-                    self._enqueue(action, now)
-                self._dirty.set()
+                if refused:
+                    raise InvalidRequest("; ".join(refused[:3]))
                 return None
             case CloseEnvCmd(trajectory_id=tid):
                 effects = self.core.close_env(tid, now)
@@ -218,7 +241,9 @@ class Scheduler(Service):
                 await self.apply(owner.cancel(aid, now))
                 await self._recorded([aid])
             case StatusQuery():
-                return status_reply(self.core, self.epoch, now, self.quotas)
+                return self.health.annotate(
+                    status_reply(self.core, self.epoch, now, self.quotas), now
+                )
             case ServiceCmd(spec=spec):
                 return await self._register(spec, now)
             case ResourcesQuery():
@@ -247,12 +272,17 @@ class Scheduler(Service):
             case Completions(items=items):
                 return await self._completions(items, now)
             case NodeReport():
+                ack = self.health.report(req, self.epoch)  # raises Fenced for a failed one
                 core = self.quotas if req.inventory.kind == "quota" else self.core
                 await self.apply(core.node_report(req, now))
+                self._dirty.set()
+                return ack
             case EnvExpired(node_id=node_id, trajectory_id=tid):
                 await self.apply(self.core.env_expired(node_id, tid))
             case NodeLeaving(node_id=node_id, incarnation=inc, draining=draining):
                 log.info("node %s (%s) is %s", node_id, inc, "draining" if draining else "gone")
+                if not draining:
+                    self.health.left(node_id, inc)
                 await self.apply(
                     self.core.node_leaving(req, now) + self.quotas.node_leaving(req, now)
                 )
@@ -323,6 +353,7 @@ class Scheduler(Service):
 
     def _finish(self, e: Finish) -> None:
         aid = e.result.action_id
+        metrics.action_ended(e.action, e.result)
         fut = self.records.enqueue(e)
         self.pending[aid] = fut
         fut.add_done_callback(partial(self._forget, aid))
@@ -348,6 +379,7 @@ class Scheduler(Service):
                     quota=e.quota,
                     tokens=e.tokens,
                     after=e.after,
+                    issued=e.issued,
                 )
             case KillOnNode():
                 return Kill(action_id=e.action_id, epoch=self.epoch, reason=e.reason)
@@ -407,6 +439,7 @@ class Scheduler(Service):
             self._dirty.clear()
             now = self.clock()
             await self.apply(self.core.schedule(now) + self.quotas.schedule(now))
+            await self.prefetch.after_pass(self.bus, self.core, self.epoch)
             self._arm_quota_wake(self.clock())
             self._log_waits()
             await asyncio.sleep(0)  # let a burst of arrivals join the next pass
@@ -468,13 +501,27 @@ async def _committed(fut: asyncio.Future[None]) -> bool:
     return True
 
 
+def _warm(mesh: MeshConfig, cfg: SchedulerConfig) -> None:
+    """Do before waiting as a standby what costs time and needs no lead: compile the policy's
+    kernels (0.86 s the first time here, nothing after: numba keeps them per process) and import
+    what the runtime imports once the service is built. Done after the lock, they took most of a
+    takeover's 1.5-1.8 s on this 2-core machine under load."""
+    make_policy(cfg.policy_spec())
+    importlib.import_module("tangram.ops_http")
+    if mesh.otel_endpoint:
+        importlib.import_module("opentelemetry.exporter.otlp.proto.http.trace_exporter")
+
+
 async def build(
     stack: contextlib.AsyncExitStack, overrides: Mapping[str, Any] | None = None
 ) -> tuple[MeshConfig, Scheduler]:
     """The scheduler as configured by the environment and ``overrides`` (see runtime.Build),
     given its pool and bus; ``stack`` closes the bus first, then the pool."""
     mesh, cfg = config.load(overrides)
+    _warm(mesh, cfg)
+    # A standby waits here, before it opens anything else; the lock is let go last.
+    lead = await stack.enter_async_context(Lead(mesh.postgres_dsn, cfg.lead_config()))
     session = f"{store.SESSIONS} {uuid.uuid4().hex[:12]}"
     pool = await db.open_pool(stack, mesh.postgres_dsn, name=session)
     bus = await open_bus(stack, mesh.nats_url, "scheduler")
-    return mesh, Scheduler(cfg, bus, pool, session=session)
+    return mesh, Scheduler(cfg, bus, pool, session=session, lead=lead)

@@ -187,7 +187,8 @@ async def fence(pool: asyncpg.Pool, own_name: str) -> int:
 
 async def take_lead(pool: asyncpg.Pool) -> int:
     """A new epoch that leads from now on. Waits for the writes in flight of the scheduler it
-    replaces (they hold the row); every later write of that one changes nothing."""
+    replaces (they hold the row); every later write of that one changes nothing. Taken by the
+    holder of the lead lock (``leadership``): the lock says who may lead, the epoch fences."""
     async with pool.acquire() as conn, conn.transaction():
         await conn.execute("SELECT epoch FROM scheduler_leader WHERE id = 1 FOR UPDATE")
         return int(

@@ -119,6 +119,16 @@ def test_the_scheduler_runs_the_elastic_policy_the_readme_describes(services: di
     assert services["scheduler"]["environment"]["TANGRAM_SCHEDULER_POLICY"] == "elastic"
 
 
+def test_a_standby_scheduler_and_every_long_running_service_restarts(services: dict[str, Any]):
+    """Docker brings back what dies (the one-shot sandbox-image build aside); a second
+    scheduler stands by for the lead (services/scheduler/leadership.py)."""
+    standby, scheduler = services["scheduler-standby"], services["scheduler"]
+    assert standby["command"] == scheduler["command"]
+    assert standby["environment"] == scheduler["environment"]
+    for name, svc in services.items():
+        assert svc["restart"] == ("no" if name == "sandbox-image" else "unless-stopped"), name
+
+
 @pytest.mark.parametrize("name", ["gateway", "scheduler", "cpu_manager"])
 def test_each_service_is_probed_itself_not_just_nats(services: dict[str, Any], name: str):
     assert services[name]["healthcheck"]["test"] == ["CMD", "tangram", "health", name]

@@ -66,10 +66,11 @@ USER_CODE = textwrap.dedent(
 class FakeScheduler:
     def __init__(self) -> None:
         self.heard: list[NodeMessage] = []
+        self.epoch = 0  # answered to reports: the only way an agent's epoch floor rises
 
     async def on_node(self, msg: NodeMessage, _raw: Any) -> Ack:
         self.heard += unbatched(msg)
-        return Ack()
+        return Ack(epoch=self.epoch) if isinstance(msg, NodeReport) else Ack()
 
     def service(self, name: str) -> PreparedService | None:
         reports = [m for m in self.heard if isinstance(m, NodeReport)]
@@ -147,11 +148,22 @@ async def test_user_factories_serve_exact_outputs_through_evictions(
 
 
 async def test_bad_input_on_the_node_subject_is_refused(gpu_node: tuple[Mesh, Bus, FakeScheduler]):
-    _, bus, _ = gpu_node
+    _, bus, scheduler = gpu_node
     subject = subjects.node("gpu0").subject
     for junk in (b"\x00garbage", b"\x82\xa4type\xa7prepare\xa8services\x01"):
         reply = await bus.nc.request(subject, junk, timeout=5)
         assert b"invalid_request" in reply.data
-    await bus.request(subjects.node("gpu0"), Prepare(services=(), epoch=5), timeout=5)
-    with pytest.raises(InvalidRequest, match="stale scheduler epoch"):
-        await bus.request(subjects.node("gpu0"), Prepare(services=(), epoch=1), timeout=5)
+    # a command's own epoch is never adopted (a forged huge one would wedge the agent) ...
+    await bus.request(subjects.node("gpu0"), Prepare(services=(), epoch=1 << 60), timeout=5)
+    await bus.request(subjects.node("gpu0"), Prepare(services=(), epoch=1), timeout=5)
+    # ... the floor rises from the scheduler's answer to a report, and then holds
+    scheduler.epoch = 5
+
+    async def stale_refused() -> bool:
+        try:
+            await bus.request(subjects.node("gpu0"), Prepare(services=(), epoch=1), timeout=5)
+        except InvalidRequest as exc:
+            return "stale scheduler epoch" in str(exc)
+        return False
+
+    await eventually(stale_refused, what="a command of an older epoch refused")

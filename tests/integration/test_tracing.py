@@ -94,8 +94,9 @@ async def test_one_action_is_one_trace_across_every_hop(traced_mesh, uid: str):
             "echo traced", trajectory_id=uid, job_id=uid, action_id=f"{uid}-traced"
         )
     assert res.ok
-    provider.force_flush()  # type: ignore[attr-defined]
-    provider.shutdown()  # type: ignore[attr-defined]  # later tests export nothing
+    # in a thread: the exporter posts to the collector this event loop serves
+    await asyncio.to_thread(provider.force_flush)  # type: ignore[attr-defined]
+    await asyncio.to_thread(provider.shutdown)  # type: ignore[attr-defined]  # later tests export nothing
     wanted = {"tangram-gateway", "tangram-scheduler", "tangram-cpu_manager"}
 
     def whole_trace() -> tuple[set[str], set[str]] | None:

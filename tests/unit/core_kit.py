@@ -45,13 +45,16 @@ def report(
     numa: int = 1,
     mem: int = 1000,
     running: tuple[RunningAction, ...] = (),
+    seen: int = 0,
 ) -> NodeReport:
     per = cores // numa
     layout = tuple(
         NumaCores(numa_node=k, cores=tuple(range(k * per, (k + 1) * per))) for k in range(numa)
     )
     inv = Inventory(numa=layout, memory_mb=mem, backend="process", isolates=False)
-    return NodeReport(node_id=node, incarnation=inc, inventory=inv, running=running, full=True)
+    return NodeReport(
+        node_id=node, incarnation=inc, inventory=inv, running=running, full=True, seen=seen
+    )
 
 
 def done(

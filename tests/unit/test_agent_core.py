@@ -17,6 +17,7 @@ from tangram.agent.core import (
     Stop,
 )
 from tangram.contract import (
+    Ack,
     ActionSpec,
     Completion,
     Dispatch,
@@ -87,8 +88,10 @@ def test_registration_is_a_full_report_and_nothing_is_said_before_it():
     assert report(c.heartbeat((), 1.0)).seq == 2
 
 
-def test_an_older_epoch_is_refused_and_a_newer_one_adopted(core: AgentCore):
+def test_an_older_epoch_is_refused_and_a_newer_one_adopted_from_an_answer(core: AgentCore):
     assert core.command(Reconcile(epoch=3), (), 1.0)
+    assert core.epoch == 0  # a command's epoch is never adopted: only a report's answer
+    core.answered(Ack(epoch=3, lease_s=3.0), 1.0, 1.0, 1.0)
     assert core.epoch == 3
     with pytest.raises(InvalidRequest, match="stale scheduler epoch 2 < 3"):
         core.command(dispatch("a", epoch=2), (), 1.0)
@@ -96,7 +99,9 @@ def test_an_older_epoch_is_refused_and_a_newer_one_adopted(core: AgentCore):
         core.command(Kill(action_id="a", epoch=1), (), 1.0)
     assert "a" not in core.active
     assert core.command(dispatch("a", epoch=4), (), 1.0) == [Run(dispatch("a", epoch=4))]
-    assert core.epoch == 4
+    assert core.epoch == 3
+    core.answered(Ack(epoch=2, lease_s=3.0), 1.0, 1.0, 1.0)  # a deposed scheduler's answer
+    assert core.epoch == 3
 
 
 def test_a_dispatch_for_another_incarnation_is_refused(core: AgentCore):

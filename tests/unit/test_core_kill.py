@@ -159,7 +159,8 @@ def test_a_cancelled_dispatch_the_node_never_got_ends_instead_of_running_again()
     core.node_report(report(cores=2), 0.0)
     started_one(core, "a", "t", 0.0)
     core.cancel("a", 0.5)
-    result = finishes(core.node_report(report(cores=2), 2.0))["a"]  # never listed it
+    # the node read dispatch 1 (seen) and does not list it: it refused it, so it never ran
+    result = finishes(core.node_report(report(cores=2, seen=1), 2.0))["a"]
     assert result.status == "cancelled"
     assert "a" not in core.queue
     assert core.snapshot()["free_cores"] == 2

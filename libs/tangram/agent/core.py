@@ -6,10 +6,24 @@ incarnation: which actions run here and on which granted units (opaque ids, core
 node), which completions await the scheduler's ack, and the progress counters heartbeats
 carry. Decisions made here, once for every kind of agent:
 
-- fencing: a command with an epoch older than one already seen is refused (a deposed
-  scheduler cannot start or kill work); a newer epoch is adopted. A dispatch meant for
-  another incarnation is refused.
-- duplicates: a dispatch of an action running here or awaiting its ack is ignored.
+- fencing: a command with an epoch older than the agent's floor is refused (a deposed
+  scheduler cannot start or kill work). The floor rises only to an epoch the agent has
+  verified: the one carried by the answer to its own report, which only the leading scheduler
+  serves; a command's epoch is never adopted (a forged huge epoch would otherwise wedge the
+  agent, every later real dispatch refused as stale). A dispatch meant for another
+  incarnation is refused.
+- the start lease: the agent starts a dispatch only while its lease holds: ``lease_s`` from
+  when it sent the last report the scheduler answered (the registration counts: nothing is
+  dispatched here before the scheduler has read one). The scheduler declares a node failed
+  only once that many seconds have passed since it last read a report, so a dispatch that
+  sat unread in a paused or cut-off agent never starts after its node was declared failed;
+  it is held and starts once a report is answered again, or is dropped if the answer is that
+  this incarnation was fenced. The lease is measured on a monotonic clock (``mono``).
+- the read mark: reports carry the highest ``Dispatch.issued`` read in the floor's epoch
+  (``seen``), so the scheduler re-queues an unreported dispatch only when the agent has
+  provably read it (and refused it), and otherwise sends the same one again.
+- duplicates: a dispatch of an action running here, awaiting its ack, or acked lately at the
+  same or a later attempt is ignored (the scheduler may send one again, see the read mark).
 - overlap: a dispatch granted a unit that a running action holds is refused, never run
   beside it. The scheduler then sees it unreported and queues it again after its dispatch
   grace; an overlap only arises while a kill is in flight (or from a bug), and sharing a core
@@ -33,6 +47,7 @@ import msgspec
 
 from tangram.agent.fit import COMPLETION_BUDGET, fit_completion
 from tangram.contract import (
+    Ack,
     Commands,
     Completion,
     Dispatch,
@@ -45,6 +60,7 @@ from tangram.contract import (
     NodeLeaving,
     NodeReport,
     Outcome,
+    Ping,
     Prepare,
     Progress,
     Reconcile,
@@ -52,6 +68,8 @@ from tangram.contract import (
     ServiceSpec,
 )
 from tangram.errors import InvalidRequest
+
+DONE_LIMIT = 10_000  # acked action ids remembered, so a dispatch sent again never runs twice
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +89,8 @@ class AgentConfig:
     leave_timeout_s: float = 2.0
     kill_wait_s: float = 2.0
     flush_s: float = 2.0
+    # the start lease until a scheduler's answer says otherwise (see the module docstring)
+    lease_s: float = 3.0
 
 
 # --------------------------------------------------------------------------- effects
@@ -175,6 +195,12 @@ class AgentCore:
         self.progress = Progress()
         self.refused_overlaps = 0
         self.duplicates = 0
+        self.lease_s = cfg.lease_s
+        self.lease_until = float("-inf")  # monotonic: dispatches start only before it
+        self.held = 0  # dispatches held so far for want of a lease
+        self.seen = 0  # the highest Dispatch.issued read in epoch ``self.epoch``
+        self.done: dict[str, int] = {}  # acked action -> its attempt (bounded: DONE_LIMIT)
+        self.on_disk: tuple[str, ...] = ()  # environments holding no memory (set by the shell)
         self._seq = 0
         self._last_words: NodeLeaving | None = None
 
@@ -184,12 +210,16 @@ class AgentCore:
 
     # ------------------------------------------------------------------ reports
 
-    def register(self, inventory: Inventory, envs: Iterable[str], now: float) -> list[Effect]:
-        """Come up with what the node offers; the first report registers it."""
+    def register(
+        self, inventory: Inventory, envs: Iterable[str], now: float, mono: float | None = None
+    ) -> list[Effect]:
+        """Come up with what the node offers; the first report registers it. Its sending
+        starts the first lease (``mono``: the monotonic clock; ``now`` when not given)."""
         if self.phase is not Phase.NEW:
             return []
         self.inventory = inventory
         self.phase = Phase.UP
+        self.lease_until = (now if mono is None else mono) + self.lease_s
         return self.heartbeat(envs, now)
 
     def heartbeat(self, envs: Iterable[str], now: float) -> list[Effect]:
@@ -206,6 +236,9 @@ class AgentCore:
             seq=self._seq,
             full=True,
             progress=self.progress,
+            envs_on_disk=self.on_disk,
+            seen_epoch=self.epoch,
+            seen=self.seen,
         )
         return [Publish(report)]
 
@@ -216,7 +249,9 @@ class AgentCore:
                 attempt=a.attempt,
                 trajectory_id=a.trajectory_id,
                 cores=a.units,
-                waiting=aid in self.waiting,
+                # waiting for cores (pipelined), not merely held for a lease: the scheduler
+                # chains the waiting ones behind their cores' holders
+                waiting=aid in self.waiting and not self.busy.isdisjoint(a.units),
             )
             for aid, a in self.active.items()
         ]
@@ -234,16 +269,20 @@ class AgentCore:
 
     # ------------------------------------------------------------------ commands
 
-    def command(self, cmd: NodeCommand, envs: Iterable[str], now: float) -> list[Effect]:
-        """A scheduler's command; raises :class:`InvalidRequest` when it is refused."""
+    def command(
+        self, cmd: NodeCommand, envs: Iterable[str], now: float, mono: float | None = None
+    ) -> list[Effect]:
+        """A scheduler's command; raises :class:`InvalidRequest` when it is refused.
+        ``mono`` is the monotonic clock the lease is kept on (``now`` when not given)."""
+        if isinstance(cmd, Ping):  # any answer shows the command path is alive
+            return []
         if self.gone:
             raise InvalidRequest(f"node agent {self.cfg.incarnation} has left")
         if cmd.epoch < self.epoch:
             raise InvalidRequest(f"stale scheduler epoch {cmd.epoch} < {self.epoch}")
-        self.epoch = cmd.epoch
         match cmd:
             case Dispatch():
-                return self._dispatch(cmd, now)
+                return self._dispatch(cmd, now, now if mono is None else mono)
             case Kill(action_id=aid, reason=reason):
                 return self._kill(aid, reason, now)
             case DropEnv(trajectory_id=tid):
@@ -256,15 +295,35 @@ class AgentCore:
                 return [PrepareServices(services)]
             case Commands():  # the shell unpacks a batch, logging each refusal
                 raise InvalidRequest("a batch of commands is taken one command at a time")
+        return []
 
-    def _dispatch(self, d: Dispatch, now: float) -> list[Effect]:
+    def answered(self, ack: Ack, sent_mono: float, now: float, mono: float) -> list[Effect]:
+        """The scheduler answered a report sent at ``sent_mono``: the floor rises to its epoch
+        and the lease runs ``lease_s`` from that send; held dispatches may start. A deposed
+        scheduler's answer (an epoch under the floor) renews nothing."""
+        if ack.epoch < self.epoch:
+            return []
+        if ack.epoch > self.epoch:
+            self.epoch, self.seen = ack.epoch, 0  # the read mark counts in the floor's epoch
+        if ack.lease_s > 0:
+            self.lease_s = ack.lease_s
+        self.lease_until = max(self.lease_until, sent_mono + self.lease_s)
+        return self._start_waiting(now, mono)
+
+    def leased(self, mono: float) -> bool:
+        """Whether a dispatch may start now (see the start lease)."""
+        return mono < self.lease_until
+
+    def _dispatch(self, d: Dispatch, now: float, mono: float) -> list[Effect]:
+        if d.epoch == self.epoch:  # read, whatever becomes of it
+            self.seen = max(self.seen, d.issued)
         inc = d.incarnation
         if inc and inc != self.cfg.incarnation:
             raise InvalidRequest(
                 f"dispatch meant for incarnation {inc}, not {self.cfg.incarnation}"
             )
         aid = d.action.spec.action_id
-        if aid in self.active or aid in self.unacked:
+        if aid in self.active or aid in self.unacked or self.done.get(aid, -1) >= d.action.attempt:
             self.duplicates += 1
             return []  # the first one is running or done
         overlap = self._claimed() & set(d.cores)
@@ -275,7 +334,8 @@ class AgentCore:
         # use the GPU executor enforces, batching calls to one resident service).
         units = d.cores or d.gpus
         self.active[aid] = _Active(d.action.attempt, d.action.spec.trajectory_id, units)
-        if overlap:
+        if overlap or not self.leased(mono):
+            self.held += 0 if overlap else 1
             self.waiting[aid] = d
             return []
         return self._start(d, now)
@@ -292,8 +352,11 @@ class AgentCore:
     def _held_by(self, action_ids: tuple[str, ...]) -> set[int]:
         return set().union(*(self.active[a].units for a in action_ids if a in self.active))
 
-    def _start_waiting(self, now: float) -> list[Effect]:
-        """Start, in arrival order, each waiting dispatch whose units are all free now."""
+    def _start_waiting(self, now: float, mono: float | None = None) -> list[Effect]:
+        """Start, in arrival order, each waiting dispatch whose units are all free now (none
+        while the lease has lapsed)."""
+        if not self.leased(now if mono is None else mono):
+            return []
         effects: list[Effect] = []
         taken = set(self.busy)
         for aid, d in list(self.waiting.items()):
@@ -347,7 +410,9 @@ class AgentCore:
         detail = "killed on request before it started"
         return Outcome(failure=active.kill_reason, detail=detail, started_at=now, finished_at=now)
 
-    def finished(self, action_id: str, outcome: Outcome, now: float) -> list[Effect]:
+    def finished(
+        self, action_id: str, outcome: Outcome, now: float, mono: float | None = None
+    ) -> list[Effect]:
         """An action ended: free its units and deliver its completion (fitted to a message)."""
         if action_id in self.waiting:  # not started: nothing of it ran
             return []
@@ -356,7 +421,7 @@ class AgentCore:
             return []
         self.busy -= set(active.units)
         self._progressed(now, finished=1)
-        return self._report(action_id, active, outcome, now) + self._start_waiting(now)
+        return self._report(action_id, active, outcome, now) + self._start_waiting(now, mono)
 
     def _report(
         self, action_id: str, active: _Active, outcome: Outcome, now: float
@@ -378,8 +443,14 @@ class AgentCore:
     # ------------------------------------------------------------------ outbox
 
     def delivered(self, action_id: str) -> None:
-        """The scheduler acked a completion: it is its to keep now."""
-        self.unacked.pop(action_id, None)
+        """The scheduler acked a completion: it is its to keep now (and the action is not run
+        again here if its dispatch comes once more)."""
+        entry = self.unacked.pop(action_id, None)
+        if entry is None:
+            return
+        self.done[action_id] = entry.completion.attempt
+        if len(self.done) > DONE_LIMIT + DONE_LIMIT // 4:  # forget the oldest in one go
+            self.done = dict(list(self.done.items())[-DONE_LIMIT:])
 
     def undelivered(self, action_id: str) -> None:
         """A delivery failed (no ack within its timeout, or refused); it is due again later."""

@@ -18,8 +18,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 from nats.aio.msg import Msg
+from prometheus_client.metrics_core import Metric
 
-from tangram import subjects
+from tangram import metrics, ops_http, subjects
 from tangram.agent.core import (
     AgentConfig,
     AgentCore,
@@ -39,7 +40,6 @@ from tangram.contract import (
     Completion,
     Completions,
     Dispatch,
-    EnvExpired,
     ErrorKind,
     Inventory,
     NodeCommand,
@@ -47,11 +47,12 @@ from tangram.contract import (
     NodeReport,
     Outcome,
     PreparedService,
+    Reconcile,
     ServiceSpec,
     encode,
 )
-from tangram.errors import InvalidRequest, TangramError
-from tangram.runtime import Service
+from tangram.errors import Fenced, InvalidRequest, TangramError
+from tangram.runtime import Probe, Service
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,15 @@ class Prepares(Protocol):
 
 
 @runtime_checkable
+class Tiers(Protocol):
+    """An executor some of whose environments hold no memory (saved to disk): each report
+    names them, so that the scheduler books only the others' memory."""
+
+    def envs_on_disk(self) -> tuple[str, ...]:
+        """Of ``envs``, those on disk now."""
+
+
+@runtime_checkable
 class Reports(Protocol):
     """An executor whose prepared services go into every heartbeat."""
 
@@ -111,6 +121,7 @@ class Agent(Service):
         *,
         name: str = "agent",
         clock: Clock = time.time,
+        mono: Clock = time.monotonic,
     ) -> None:
         super().__init__()
         self.name = name
@@ -118,6 +129,7 @@ class Agent(Service):
         self.executor = executor
         self.cfg = cfg
         self.clock = clock
+        self.mono = mono  # the start lease's clock (see core)
         # The optional hooks of a GPU node's executor (see Prepares, Reports).
         self._preparer = executor if isinstance(executor, Prepares) else None
         self._reports = executor if isinstance(executor, Reports) else None
@@ -127,6 +139,7 @@ class Agent(Service):
         self._prepares: set[asyncio.Task[None]] = set()
         self._outgoing: list[Completion] = []  # completions not sent yet, oldest first
         self._deliveries: set[asyncio.Task[None]] = set()  # the delivery loops running
+        self._reports_out: set[asyncio.Task[None]] = set()  # reports awaiting their answer
 
     @property
     def node_id(self) -> str:
@@ -143,7 +156,9 @@ class Agent(Service):
         self.bus.serve(subjects.node(self.node_id), self.on_command, max_in_flight=100_000)
         self.bus.serve(subjects.NODES_BROADCAST, self.on_command, max_in_flight=16)
         await self.bus.start()
-        await self._apply(self.core.register(inventory, self.executor.envs(), self.clock()))
+        self._tiers()
+        envs = self.executor.envs()
+        await self._apply(self.core.register(inventory, envs, self.clock(), self.mono()))
         self.spawn(self._every(self.cfg.heartbeat_s, self._heartbeat), "heartbeat")
         self.spawn(self._every(self.cfg.resend_s, self._resend), "resend")
         self.spawn(self._every(max(0.05, self.cfg.env_ttl_s / 4), self._expire), "env-ttl")
@@ -157,6 +172,7 @@ class Agent(Service):
         await self._apply(self.core.kill_all(ErrorKind.NODE_DIED))
         await _wait(self._runs, self.cfg.kill_wait_s)
         await self._cancel_tasks()
+        await _wait(self._reports_out, 0.0, cancel=True)
         await _wait(self._prepares, 0.0, cancel=True)
         await self._apply(self.core.flush(self.clock()))
         self._send_outgoing()  # now, not on the next turn: the wait below covers it
@@ -165,6 +181,12 @@ class Agent(Service):
         await self.executor.close()
         await _wait(self._runs, 0.0, cancel=True)
         await self._apply(self.core.goodbye(envs))
+
+    def dependencies(self) -> dict[str, Probe]:
+        return {"bus": ops_http.bus_probe(self.bus)}
+
+    def collect(self) -> list[Metric]:
+        return metrics.unit_families(_units(self.node_id, self.core), "busy")
 
     # ------------------------------------------------------------------ commands
 
@@ -179,11 +201,16 @@ class Agent(Service):
 
     async def _command(self, cmd: NodeCommand) -> None:
         try:
-            effects = self.core.command(cmd, self.executor.envs(), self.clock())
+            effects = self.core.command(cmd, self.executor.envs(), self.clock(), self.mono())
         except InvalidRequest as exc:
             log.warning("%s %s: refused %s: %s", self.name, self.node_id, type(cmd).__name__, exc)
             raise
         await self._apply(effects)
+        if isinstance(cmd, Reconcile) and self._outgoing:
+            # A new scheduler asks for everything: what it re-sends goes now, not behind a
+            # delivery stuck waiting on the scheduler it replaced (up to its 5 s timeout,
+            # the new one booking those cores busy meanwhile). A duplicate is acked as one.
+            self._own(self._deliver_all(), self._sends, self._deliveries)
 
     # ------------------------------------------------------------------ effects
 
@@ -196,9 +223,12 @@ class Agent(Service):
                     await self.executor.kill(aid)
                 case Drop(trajectory_id=tid):
                     await self.executor.drop_env(tid)
+                case Publish(msg=NodeReport() as m):
+                    if self.core.may_send(m):
+                        self._own(self._report(self._with_services(m)), self._reports_out)
                 case Publish(msg=m):
                     if self.core.may_send(m):
-                        await self.bus.publish(subjects.SCHED_NODES, self._with_services(m))
+                        await self.bus.publish(subjects.SCHED_NODES, m)
                 case Deliver(completion=c):
                     self._coalesce(c)
                 case Announce(msg=m):
@@ -206,11 +236,38 @@ class Agent(Service):
                 case PrepareServices(services=specs):
                     self._own(self._prepare(specs), self._prepares)
 
-    def _with_services(self, m: NodeReport | EnvExpired) -> NodeReport | EnvExpired:
+    def _with_services(self, m: NodeReport) -> NodeReport:
         """A report carries the executor's prepared services (a GPU node)."""
-        if isinstance(m, NodeReport) and self._reports is not None:
+        if self._reports is not None:
             return msgspec.structs.replace(m, services=self._reports.services())
         return m
+
+    async def _report(self, m: NodeReport) -> None:
+        """Send a report and take the scheduler's answer: it renews the start lease (from
+        when the report left) and may raise the epoch floor. No answer (the broker or the
+        scheduler away) renews nothing: held dispatches wait. Fenced, the agent stops."""
+        sent = self.mono()
+        try:
+            ack = await self.bus.request(
+                subjects.SCHED_NODES, m, timeout=max(1.0, 2 * self.cfg.heartbeat_s)
+            )
+        except Fenced as exc:
+            await self._fenced(exc)
+            return
+        except TangramError as exc:
+            log.debug("report %d not answered: %s", m.seq, exc)
+            return
+        await self._apply(self.core.answered(ack, sent, self.clock(), self.mono()))
+
+    async def _fenced(self, exc: Fenced) -> None:
+        """This incarnation was declared failed: nothing held starts, what runs is killed,
+        and the agent stops with the error (its supervisor starts a new incarnation)."""
+        if self.fatal is not None:
+            return
+        log.error("%s %s: fenced by the scheduler: %s", self.name, self.node_id, exc)
+        await self._apply(self.core.kill_all(ErrorKind.NODE_DIED))
+        self.fatal = exc
+        self.stopped.set()
 
     async def _prepare(self, specs: tuple[ServiceSpec, ...]) -> None:
         """Prepare on the executor, then report at once: the scheduler waits for it."""
@@ -221,7 +278,7 @@ class Agent(Service):
     async def _run(self, d: Dispatch) -> None:
         aid = d.action.spec.action_id
         outcome = self.core.not_started(aid, self.clock()) or await self._execute(d)
-        await self._apply(self.core.finished(aid, outcome, self.clock()))
+        await self._apply(self.core.finished(aid, outcome, self.clock(), self.mono()))
 
     async def _execute(self, d: Dispatch) -> Outcome:
         """The executor's outcome; an executor that raises is an internal failure."""
@@ -327,7 +384,12 @@ class Agent(Service):
             except TangramError as exc:
                 log.info("a periodic report was skipped: %s", exc)
 
+    def _tiers(self) -> None:
+        if isinstance(self.executor, Tiers):
+            self.core.on_disk = self.executor.envs_on_disk()
+
     async def _heartbeat(self) -> None:
+        self._tiers()
         await self._apply(self.core.heartbeat(self.executor.envs(), self.clock()))
 
     async def _resend(self) -> None:
@@ -348,6 +410,18 @@ async def _wait(tasks: set[asyncio.Task[None]], timeout_s: float, *, cancel: boo
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _units(node_id: str, core: AgentCore) -> list[metrics.Units]:
+    """The node's cores or GPUs, and how many its running actions hold (a quota node: none)."""
+    inv = core.inventory
+    running = (a.units for aid, a in core.active.items() if aid not in core.waiting)
+    busy = len(set().union(*running))
+    if inv.kind == "gpu":
+        return [metrics.Units(node_id, "gpu", len(inv.gpus), busy)]
+    if inv.kind == "cpu":
+        return [metrics.Units(node_id, "core", sum(len(n.cores) for n in inv.numa), busy)]
+    return []
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

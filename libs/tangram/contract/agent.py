@@ -56,6 +56,10 @@ class PreparedService(_Msg):
     # they were coalesced into
     calls: int = 0
     batches: int = 0
+    # of those calls, how many found the service on their device already / all in host
+    # memory (the rest were promoted from disk first)
+    device_hits: int = 0
+    host_hits: int = 0
 
 
 class RunningAction(_Msg):
@@ -123,6 +127,14 @@ class NodeReport(_Msg, tag="node_report"):
     full: bool = False
     progress: Progress | None = None
     services: tuple[PreparedService, ...] = ()  # GPU nodes
+    # The newest dispatch this incarnation has taken in (accepted, held or refused): the
+    # highest ``Dispatch.issued`` of scheduler epoch ``seen_epoch``. A dispatch issued at or
+    # before it that the report does not list never ran, so it may be queued again; one
+    # issued after it may still sit unread in the agent's socket (a paused agent).
+    seen_epoch: int = 0
+    seen: int = 0
+    # of ``envs``, those holding no memory now (saved to disk, their containers removed)
+    envs_on_disk: tuple[str, ...] = ()
 
 
 class EnvExpired(_Msg, tag="env_expired"):
@@ -158,7 +170,12 @@ NodeMessage = Completion | Completions | NodeReport | EnvExpired | NodeLeaving
 
 
 class Ack(_Msg, tag="ack"):
-    pass
+    """A receipt. Answering a node agent's report it also carries the answering scheduler's
+    ``epoch`` (the only way an agent raises its fencing floor) and the ``lease_s`` for which
+    the agent may start dispatches, counted from when it sent that report."""
+
+    epoch: int = 0
+    lease_s: float = 0.0
 
 
 # --------------------------------------------------------------------------- node agent
@@ -180,6 +197,9 @@ class Dispatch(_Msg, tag="dispatch"):
     # Pipelining: cores granted while these actions (dispatched here earlier) still hold them;
     # the agent starts this one the moment they are free, without a round trip.
     after: tuple[str, ...] = ()
+    # The scheduler's running count of dispatches in this epoch, echoed back as
+    # ``NodeReport.seen``: it proves which dispatches the agent has read.
+    issued: Annotated[int, Meta(ge=0)] = 0
 
 
 class Kill(_Msg, tag="kill"):
@@ -198,6 +218,13 @@ class Prepare(_Msg, tag="prepare"):
 
     services: tuple[ServiceSpec, ...]
     epoch: int
+
+
+class Ping(_Msg, tag="ping"):
+    """A health probe on the agent's own command subject, answered with ``Ack`` (an agent
+    whose command path is stuck does not answer, even while its heartbeats still go out)."""
+
+    epoch: int = 0
 
 
 class Reconcile(_Msg, tag="reconcile"):
@@ -219,4 +246,4 @@ class Commands(_Msg, tag="commands"):
     epoch: int
 
 
-NodeCommand = Dispatch | Kill | DropEnv | Prepare | Reconcile | Commands
+NodeCommand = Dispatch | Kill | DropEnv | Prepare | Reconcile | Commands | Ping

@@ -287,6 +287,10 @@ class ServiceState(_Msg):
     # passes) concurrent calls were coalesced into, up to ``spec.max_batch`` each
     calls: int = 0
     batches: int = 0
+    # of those calls, how many found the service on their device already / all in host
+    # memory (the rest waited for it to come up from disk): what prefetch hints improve
+    device_hits: int = 0
+    host_hits: int = 0
 
 
 class Services(_Msg, tag="services"):

@@ -14,8 +14,9 @@ from tangram.contract.resources import QuotaSpec, ServiceSpec
 class Demand(_Msg):
     """One entry of the cost vector: any of ``choices`` units of ``resource`` (sorted, unique)."""
 
-    resource: str
-    choices: tuple[int, ...]
+    resource: Annotated[str, Meta(min_length=1, max_length=128)]
+    # empty only for a GPU call (the scheduler picks its chunk); see the scheduler's checks
+    choices: Annotated[tuple[Annotated[int, Meta(ge=0)], ...], Meta(max_length=MAX_BATCH_ITEMS)]
 
     @property
     def min(self) -> int:
@@ -30,7 +31,8 @@ class UnifiedAction(_Msg):
     """The formulated action of §4.1 that the gateway hands to the scheduler."""
 
     spec: ActionSpec
-    demands: tuple[Demand, ...]
+    # non-empty in an action the scheduler queues (it refuses one without: core/validate.py)
+    demands: Annotated[tuple[Demand, ...], Meta(max_length=16)]
     key_resource: str
     env_memory_mb: int
     submitted_at: Timestamp
@@ -118,6 +120,11 @@ class NodeRow(_Msg):
     free_memory_mb: int
     envs: int
     draining: bool = False
+    # from the health detector: healthy / suspect / fenced; idle / busy / draining; seconds
+    # since its progress counters last moved (or its no-progress window last restarted)
+    health: str = ""
+    phase: str = ""
+    last_progress_s: float | None = None
 
 
 class QueuedRow(_Msg):

@@ -43,6 +43,7 @@ from services.cpu_manager.docker.run import (
     exec_via_executor,
     oom_checked,
 )
+from services.cpu_manager.docker.tiering import Tiering
 from tangram.contract import ErrorKind
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class DockerBackend:
         self._exec_modes: dict[str, str] = {}  # image -> "docker_exec" where the executor failed
         self._cleanup: set[asyncio.Task[None]] = set()
         self.pool = WarmPool(self)
+        self.tiers = Tiering(self, cfg.tier_policy(), cfg.tier_tick_s)
         self._state = State.NEW
 
     # ---------------------------------------------------------------- lifecycle
@@ -126,6 +128,7 @@ class DockerBackend:
             stale,
             self.cfg.exec_mode,
         )
+        await self.tiers.start()
         self._state = State.RUNNING
         self.pool.start()
 
@@ -142,6 +145,7 @@ class DockerBackend:
             return
         self._state = State.CLOSING
         await self.pool.stop()
+        await self.tiers.stop()
         for action_id in list(self._runs):
             await self.kill(action_id)
         envs = [*self._envs.values(), *self.pool.drain()]
@@ -171,8 +175,12 @@ class DockerBackend:
     # ---------------------------------------------------------------- Backend API
 
     def envs(self) -> dict[str, float]:
-        """Live trajectory environments -> monotonic time of last use."""
-        return {tid: env.last_used for tid, env in self._envs.items()}
+        """Trajectory environments (running, paused or on disk) -> monotonic time of last use."""
+        return self.tiers.envs() | {tid: env.last_used for tid, env in self._envs.items()}
+
+    def envs_on_disk(self) -> tuple[str, ...]:
+        """The environments holding no memory now (saved to disk, their containers removed)."""
+        return tuple(self.tiers.on_disk)
 
     def env(self, trajectory_id: str) -> ContainerEnv | None:
         """The environment of a trajectory, if it has one."""
@@ -220,17 +228,19 @@ class DockerBackend:
         self._lost.pop(trajectory_id, None)
         for run in [r for r in self._runs.values() if r.req.trajectory_id == trajectory_id]:
             await self.kill(run.req.action_id)
-        pending = self._creating.get(trajectory_id)
-        if pending is not None:
-            await asyncio.wait({pending})  # its outcome is the creator's to report
-        env = self._envs.pop(trajectory_id, None)
-        if env is not None:
-            await self._remove(env)
+        async with self.tiers.locked(trajectory_id):  # not mid-move: a snapshot or a restore
+            pending = self._creating.get(trajectory_id)
+            if pending is not None:
+                await asyncio.wait({pending})  # its outcome is the creator's to report
+            await self.tiers.forget(trajectory_id)
+            env = self._envs.pop(trajectory_id, None)
+            if env is not None:
+                await self._remove(env)
 
     # ---------------------------------------------------------------- environments
 
     async def _env_for(self, req: ExecRequest) -> ContainerEnv:
-        env = self._envs.get(req.trajectory_id)
+        env = await self.tiers.wake(req.trajectory_id)  # paused or on disk: back first
         if env is not None:
             return env
         pending = self._creating.get(req.trajectory_id)

@@ -10,9 +10,12 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from services.cpu_manager.docker.tiers import TierPolicy
+
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 # A Docker network to join (a name, "bridge", "host"), and an extra bind for sandboxes, an
 # absolute HOST:CONTAINER[:ro|rw]: checked here, not by the engine later.
 NetworkMode = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
@@ -54,6 +57,22 @@ class DockerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, fro
     exec_grace_s: PositiveFloat = 5.0  # past timeout_s before an exec counts as hung
     park_idle: bool = True  # throttle an env's CPU quota to 1% of a core between actions
     pool_retry_s: PositiveFloat = 2.0  # back-off after a failed warm-pool creation
+    # --- environment tiering (docker/tiers.py): idle environments are paused, then saved to
+    # disk and their containers removed; their next action restores them. 0 turns a rule off.
+    tier_pause_after_s: NonNegFloat = 30.0  # idle this long: `docker pause` (memory kept)
+    tier_disk_after_s: NonNegFloat = 600.0  # idle this long: to disk (memory released)
+    tier_budget_mb: NonNegInt = 0  # running + paused envs' memory above this: oldest idle to disk
+    tier_min_idle_s: NonNegFloat = 5.0  # under memory pressure, idle at least this long
+    tier_tick_s: PositiveFloat = 1.0  # how often the thresholds are checked
+
+    def tier_policy(self) -> TierPolicy:
+        """The tiering thresholds, for the pure policy."""
+        return TierPolicy(
+            pause_after_s=self.tier_pause_after_s,
+            disk_after_s=self.tier_disk_after_s,
+            budget_mb=self.tier_budget_mb,
+            pressure_min_idle_s=self.tier_min_idle_s,
+        )
 
     def images_to_pool(self) -> tuple[str, ...]:
         """The images that get a warm pool."""

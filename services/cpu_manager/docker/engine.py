@@ -354,6 +354,20 @@ class Engine:
         except Exception as exc:
             raise translate(exc, f"oom check {container_id[:12]}") from exc
 
+    def pause(self, container_id: str) -> None:
+        """``docker pause``: freeze every process of the container (its memory stays)."""
+        try:
+            self.api.pause(container_id)
+        except Exception as exc:
+            raise translate(exc, f"pause {container_id[:12]}") from exc
+
+    def unpause(self, container_id: str) -> None:
+        """``docker unpause``: thaw a paused container."""
+        try:
+            self.api.unpause(container_id)
+        except Exception as exc:
+            raise translate(exc, f"unpause {container_id[:12]}") from exc
+
     def update_memory(self, container_id: str, memory_mb: int) -> None:
         """Change a container's memory limit (a pool container taken by a trajectory)."""
         try:

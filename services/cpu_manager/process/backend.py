@@ -1,7 +1,10 @@
-"""The ``process`` backend: plain subprocesses pinned to their granted cores. It does NOT isolate.
+"""The ``process`` backend: plain subprocesses pinned to their granted cores. It does NOT isolate
+beyond file ownership.
 
 One working directory per trajectory (its HOME and cwd) keeps state across that trajectory's
-actions. Each action runs in its own session so a timeout kills the whole process group.
+actions. Run as root, each trajectory's actions run as an unprivileged uid of its own that
+alone owns its directory (``users``). Each action runs in its own session so a timeout kills
+the whole process group.
 Pinning without a fork-unsafe ``preexec_fn``: a dedicated launcher thread sets its own CPU
 affinity to the granted cores and spawns from there, so the child inherits exactly that mask
 from its first instruction. The exit is watched through a pidfd on the event loop.
@@ -20,12 +23,14 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import psutil
 
 from services.cpu_manager.action_env import action_environ
 from services.cpu_manager.backend_api import ExecOutcome, ExecRequest, failed_outcome
+from services.cpu_manager.process import users
 from services.cpu_manager.spawn_failure import spawn_failed
 from tangram.contract import ErrorKind
 
@@ -42,6 +47,7 @@ class ProcessConfig:
     node_id: str = "node"
     incarnation: str = ""
     path: str = "/usr/local/bin:/usr/bin:/bin"
+    trajectory_uids: bool = True  # as root: each trajectory as a uid of its own (``users``)
 
 
 class CappedSink:
@@ -115,9 +121,19 @@ class ProcessBackend:
         self._launcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="launcher")
         self._runs: dict[str, _Run] = {}
         self._envs: dict[str, float] = {}
+        self.run_as = users.RunAs(False, "not started")
+        self._claim: users.SlotClaim | None = None
+        self._uids: users.UidPool | None = None  # None: actions run as this agent's user
 
     async def start(self) -> None:
         await asyncio.to_thread(self._clean_leftovers)
+        wanted = self.cfg.trajectory_uids
+        self.run_as = await asyncio.to_thread(partial(users.run_as, self.cfg.root, wanted=wanted))
+        if self.run_as.per_trajectory:
+            self._claim = await asyncio.to_thread(users.SlotClaim, self.cfg.root)
+            self._uids = users.UidPool(self._claim.first_uid)
+            await asyncio.to_thread(users.kill_uids, self._claim.first_uid, users.SLOT_SIZE)
+        log.info("process backend: %s; NOT isolated further", self.run_as.line())
 
     def _clean_leftovers(self) -> None:
         """Kill processes an earlier incarnation of this node left, and wipe its directories.
@@ -135,11 +151,14 @@ class ProcessBackend:
                     proc.kill()
         shutil.rmtree(self.cfg.root, ignore_errors=True)
         self.cfg.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.cfg.root, 0o711)  # others may pass through, never list the trajectories
 
     async def close(self) -> None:
         for aid in list(self._runs):
             await self.kill(aid, ErrorKind.CANCELLED)
         self._launcher.shutdown(wait=True)
+        if self._claim is not None:
+            self._claim.release()
 
     def envs(self) -> dict[str, float]:
         return dict(self._envs)
@@ -160,12 +179,18 @@ class ProcessBackend:
             if run.trajectory_id == trajectory_id:
                 await self.kill(aid, ErrorKind.CANCELLED)
         self._envs.pop(trajectory_id, None)
+        uid = self._uids.release(trajectory_id) if self._uids is not None else None
+        if uid is not None:  # its background processes too, before the uid is handed out again
+            await asyncio.to_thread(users.kill_uids, uid)
         await asyncio.to_thread(shutil.rmtree, self.workdir(trajectory_id), True)
 
     async def run(self, req: ExecRequest) -> ExecOutcome:
         workdir = self.workdir(req.trajectory_id)
+        uid = self._uids.uid(req.trajectory_id) if self._uids is not None else None
         if req.trajectory_id not in self._envs:
             workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if uid is not None:
+                users.own_dir(workdir, uid)
         elif not workdir.is_dir():
             return _lost(f"working directory of {req.trajectory_id} vanished")
         self._envs[req.trajectory_id] = time.monotonic()
@@ -173,7 +198,7 @@ class ProcessBackend:
         started = time.time()
         try:
             proc, out_fd, err_fd = await loop.run_in_executor(
-                self._launcher, self._spawn, req, workdir
+                self._launcher, self._spawn, req, workdir, uid
             )
         except OSError as exc:
             return _spawn_failure(exc, req.argv, workdir, started)
@@ -185,19 +210,26 @@ class ProcessBackend:
             self._runs.pop(req.action_id, None)
             self._envs[req.trajectory_id] = time.monotonic()
 
-    def _spawn(self, req: ExecRequest, workdir: Path) -> tuple[subprocess.Popen[bytes], int, int]:
+    def _spawn(
+        self, req: ExecRequest, workdir: Path, uid: int | None
+    ) -> tuple[subprocess.Popen[bytes], int, int]:
         """Runs on the launcher thread: pin this thread, then spawn (the child inherits it).
 
         The pipes are plain fds owned by the caller, so exactly one party ever closes them.
+        ``uid`` (None: this agent's own) is taken on by ``setpriv`` right before the action's
+        program (see ``users.as_uid``).
         """
+        env = self._environ(req, workdir)
+        path = env.get("PATH", os.defpath)  # where the program is looked up, as exec would
+        argv = req.argv if uid is None else users.as_uid(uid, req.argv, path, workdir)
         os.sched_setaffinity(0, req.cores)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
             proc = subprocess.Popen(
-                req.argv,
+                argv,
                 cwd=workdir,
-                env=self._environ(req, workdir),
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out_w,
                 stderr=err_w,

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tangram.contract import PreparedService, UnifiedAction
+
+if TYPE_CHECKING:
+    from services.scheduler.core.effects import StartOnNode
 
 
 @dataclass
@@ -21,6 +25,7 @@ class Node:
     gpu: GpuFacts | None = None
     # pipelining: a busy core -> the actions granted it next, in order, waiting on the node
     next: dict[int, list[str]] = field(default_factory=dict)
+    on_disk: set[str] = field(default_factory=set)  # its envs saved to disk (env_tiers)
 
     @property
     def capacity(self) -> int:
@@ -51,6 +56,7 @@ class EnvPlacement:
     incarnation: str
     memory_mb: int
     last_used: float = 0.0  # when an action last started in it (restored: 0, the oldest)
+    on_disk: bool = False  # saved to disk by its node: no memory booked (env_tiers)
 
 
 @dataclass
@@ -65,3 +71,5 @@ class Dispatched:
     confirmed: bool = False  # its node has reported it at least once
     restored: bool = False  # rebuilt from Postgres after a restart, not dispatched by us
     kill_by: float | None = None  # cancelled: ends ``cancelled`` at this time if not confirmed
+    sent: StartOnNode | None = None  # the dispatch, to send once more if the node never read it
+    sent_at: float | None = None  # when it was last sent (None: at ``started_at``)

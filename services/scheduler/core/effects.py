@@ -35,6 +35,7 @@ class StartOnNode:
     quota: QuotaSpec | None = None  # an http call: its quota (hosts, key name) ...
     tokens: int = 0  # ... and the tokens reserved for it
     after: tuple[str, ...] = ()  # pipelined: the node starts it once these end (see pipeline)
+    issued: int = 0  # the core's count of dispatches when it was granted (see Dispatch.issued)
 
     @property
     def units(self) -> tuple[int, ...]:

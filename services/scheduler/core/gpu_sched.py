@@ -552,9 +552,18 @@ class GpuScheduler:
         aid = act.spec.action_id
         self.core.unqueue(aid)
         act = msgspec.structs.replace(act, attempt=act.attempt + 1)
-        self.core.running[aid] = Dispatched(act, node.node_id, node.incarnation, gpus, now)
+        run = self.core.running[aid] = Dispatched(act, node.node_id, node.incarnation, gpus, now)
         spec = self.services[name]
-        return [StartOnNode(node.node_id, act, (), node.incarnation, gpus=gpus, service=spec)]
+        run.sent = StartOnNode(
+            node.node_id,
+            act,
+            (),
+            node.incarnation,
+            gpus=gpus,
+            service=spec,
+            issued=self.core.issue(),
+        )
+        return [run.sent]
 
     def _predict(self, node: Node, act: UnifiedAction, gpus: tuple[int, ...], now: float) -> float:
         """When a call dispatched now on ``gpus`` will end: on a free chunk after restoring its

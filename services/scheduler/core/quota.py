@@ -89,6 +89,8 @@ class QuotaCore:
         self.recent: dict[str, None] = {}
         self.finished = 0  # calls and leases ended so far, each once (see pressure)
         self.departed: dict[tuple[str, str], None] = {}
+        self.epoch = 0  # the shell's lead epoch: an agent's read mark counts in it alone
+        self.issued = 0  # calls dispatched so far (Dispatch.issued)
         self._refused: list[Effect] = []  # results of actions refused at intake, not yet out
         # What the tick ends, by due time (it never scans every action it holds).
         self._timeouts = Deadlines()  # waiting actions with a queue timeout
@@ -230,13 +232,27 @@ class QuotaCore:
                 call.confirmed = True
             elif call.confirmed or call.incarnation != agent.incarnation:
                 effects += self._lost(call, now, "lost track of the call")
-            elif call.restored or now - call.started_at > self.cfg.dispatch_grace_s:
-                self._redo(call, now)
+            elif call.restored or (self._overdue(call, now) and self._read(report, call)):
+                self._redo(call, now)  # it never reached the upstream
+            elif self._overdue(call, now) and call.sent is not None and call.kill_by is None:
+                # unread (lost, or waiting in a paused agent's socket): the same dispatch again;
+                # the agent makes a call once however often its dispatch comes
+                call.sent_at = now
+                effects.append(call.sent)
         for aid in [a for a, c in self.killed.items() if c.node_id == agent.node_id]:
             if aid not in reported:
                 self._release(self.killed.pop(aid), now)
         agent.in_flight = sum(1 for c in self.calls.values() if c.node_id == agent.node_id)
         return effects
+
+    def _overdue(self, call: Call, now: float) -> bool:
+        sent_at = call.started_at if call.sent_at is None else call.sent_at
+        return now - sent_at > self.cfg.dispatch_grace_s
+
+    def _read(self, report: NodeReport, call: Call) -> bool:
+        """The agent's read mark shows it read this dispatch (unlisted, it refused it)."""
+        sent = call.sent
+        return sent is not None and report.seen_epoch == self.epoch and report.seen >= sent.issued
 
     def node_leaving(self, leaving: NodeLeaving, now: float) -> list[Effect]:
         """A quota agent draining (no new calls) or gone; calls it never started go back to
@@ -253,6 +269,17 @@ class QuotaCore:
                 if call.node_id == agent.node_id and aid not in started:
                     self._redo(call, now)
         return self._agent_lost(agent, now, "agent shut down")
+
+    def agent_failed(self, node_id: str, incarnation: str, now: float, why: str) -> list[Effect]:
+        """The health detector declared this agent failed (its start lease has run out): it
+        is fenced and its calls, which may have reached the upstream, end ``node_died``."""
+        agent = self.agents.get(node_id)
+        if agent is None or agent.incarnation != incarnation:
+            return []
+        return self._agent_lost(agent, now, why)
+
+    def fenced(self, node_id: str, incarnation: str) -> bool:
+        return (node_id, incarnation) in self.departed
 
     def _agent_lost(self, agent: Agent, now: float, why: str) -> list[Effect]:
         del self.agents[agent.node_id]
@@ -397,9 +424,8 @@ class QuotaCore:
         """Silent agents are lost; leases past their TTL end; queue timeouts and kill
         deadlines expire; restored calls whose agent never came back fail."""
         effects: list[Effect] = []
-        for agent in [
-            a for a in self.agents.values() if now - a.last_seen > self.cfg.node_timeout_s
-        ]:
+        silent = [a for a in self.agents.values() if now - a.last_seen > self.cfg.node_timeout_s]
+        for agent in silent if self.cfg.node_timeouts else ():
             effects += self._agent_lost(agent, now, "no heartbeat")
         for at, lid in list(self._expiries.due(now)):
             lease = self.leases.get(lid)
@@ -513,12 +539,20 @@ class QuotaCore:
         if agent is None:
             return self._lease(q, action, got, now)
         aid = action.spec.action_id
-        self.calls[aid] = Call(action, q.spec.name, got, agent.node_id, agent.incarnation, now)
+        call = Call(action, q.spec.name, got, agent.node_id, agent.incarnation, now)
+        self.calls[aid] = call
         agent.in_flight += 1
-        start = StartOnNode(
-            agent.node_id, action, (), agent.incarnation, quota=q.spec, tokens=got.tokens
+        self.issued += 1  # see Dispatch.issued
+        call.sent = StartOnNode(
+            agent.node_id,
+            action,
+            (),
+            agent.incarnation,
+            quota=q.spec,
+            tokens=got.tokens,
+            issued=self.issued,
         )
-        return [start]
+        return [call.sent]
 
     def _lease(self, q: Quota, action: UnifiedAction, got: Grant, now: float) -> list[Effect]:
         act = action.spec.action

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import msgspec
 
-from services.scheduler.core.effects import completed
+from services.scheduler.core.effects import StartOnNode, completed
 from services.scheduler.policies.quota_adaptive import AimdConfig
 from services.scheduler.policies.quota_fair import FairQueue
 from services.scheduler.policies.quota_limiter import Grant, Limiter
@@ -35,6 +35,7 @@ class QuotaConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """The quota core's timing, per-job weights (default 1) and AIMD tuning."""
 
     node_timeout_s: PositiveFloat = 5.0
+    node_timeouts: bool = True  # off: the health detector declares silent agents failed
     dispatch_grace_s: PositiveFloat = 3.0
     kill_grace_s: PositiveFloat = 5.0
     weights: dict[str, PositiveFloat] = {}
@@ -87,6 +88,8 @@ class Call:
     restored: bool = False  # rebuilt from Postgres: unconfirmed until its agent reports
     confirmed: bool = False
     kill_by: float | None = None
+    sent: StartOnNode | None = None  # the dispatch, sent once more if its agent never read it
+    sent_at: float | None = None  # when it was last sent (None: at ``started_at``)
 
 
 @dataclass

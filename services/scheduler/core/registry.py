@@ -44,7 +44,7 @@ def state_of(spec: ServiceSpec, nodes: Mapping[str, GpuFacts]) -> ServiceState:
     ready: list[str] = []
     resident: list[str] = []
     errors: list[str] = []
-    footprint = calls = batches = 0
+    footprint = calls = batches = device_hits = host_hits = 0
     for node_id, facts in sorted(nodes.items()):
         entries = sorted(
             (e for (n, _), e in facts.services.items() if n == spec.name), key=lambda e: e.dop
@@ -57,6 +57,8 @@ def state_of(spec: ServiceSpec, nodes: Mapping[str, GpuFacts]) -> ServiceState:
         resident += [f"{node_id}:{g}" for e in good for g in e.resident]
         calls += sum(e.calls for e in good)
         batches += sum(e.batches for e in good)
+        device_hits += sum(e.device_hits for e in good)
+        host_hits += sum(e.host_hits for e in good)
     return ServiceState(
         spec=spec,
         footprint_mb=footprint,
@@ -65,6 +67,8 @@ def state_of(spec: ServiceSpec, nodes: Mapping[str, GpuFacts]) -> ServiceState:
         error="" if ready else "; ".join(errors),
         calls=calls,
         batches=batches,
+        device_hits=device_hits,
+        host_hits=host_hits,
     )
 
 

@@ -24,7 +24,7 @@ from typing import Annotated
 
 import msgspec
 
-from services.scheduler.core import pipeline, views
+from services.scheduler.core import env_tiers, pipeline, views
 from services.scheduler.core.books import Dispatched, EnvPlacement, Node
 from services.scheduler.core.capacity import impossible, reclaim_plan
 from services.scheduler.core.effects import (
@@ -66,7 +66,13 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """The core's timing and limits (part of ``SchedulerConfig``, same env var names)."""
 
     node_timeout_s: PositiveFloat = 5.0
-    dispatch_grace_s: PositiveFloat = 3.0  # how long a dispatch may go unreported before redone
+    # the core itself declares a node lost after ``node_timeout_s`` without a report (the
+    # simulator); the live scheduler leaves that to its health detector (services/scheduler/
+    # health.py), which tells a pause or a broker outage from a death
+    node_timeouts: bool = True
+    # how long a dispatch may go unreported before it is redone (if the node's report shows it
+    # read and refused it) or sent once more (if the node has not read it yet)
+    dispatch_grace_s: PositiveFloat = 3.0
     # how long a cancelled running action may wait for its node's confirmation before it ends
     kill_grace_s: PositiveFloat = 5.0
     lookahead: NonNegInt = 64  # waiting actions per pool shown to the policy past the block
@@ -118,6 +124,8 @@ class SchedulerCore:
         self.finished = 0  # actions ended so far, each once (the drain rate, see pressure)
         self.departed: dict[tuple[str, str], None] = {}  # (node, incarnation) left or replaced
         self.not_before = 0.0
+        self.epoch = 0  # the shell's lead epoch: a node's read mark counts in it alone
+        self.issued = 0  # dispatches granted so far (Dispatch.issued)
         self._views: dict[str, Waiting] = {}  # the policy's view of each queued action
         self._pools: dict[str, PerPool] = {}  # node -> its own instance of a per-pool policy
         # the optional hooks, checked once (the policy's class does not change)
@@ -216,7 +224,7 @@ class SchedulerCore:
         if (report.node_id, report.incarnation) in self.departed:
             return []
         node = self.nodes.get(report.node_id)
-        effects: list[Effect] = []
+        effects: list[Effect] = [*env_tiers.adopt(self.envs, report)]
         if node is not None and node.incarnation != report.incarnation:
             self._depart(node)
             effects += self._node_lost(node, now, "node agent restarted")
@@ -227,6 +235,7 @@ class SchedulerCore:
             self._restore_chains(node, report)
         node.last_seen = now
         effects += self._reconcile(node, report, now)
+        effects += env_tiers.sync(node, self.envs, report, self.running)
         if node.gpu is not None:
             effects += self.gpu.on_report(node, report, now)
         return effects
@@ -297,8 +306,13 @@ class SchedulerCore:
                 del self.running[aid]
                 self._give_back(node, run)
                 effects += self._finish(run.action, self._died(run, now, "lost track of it"))
-            elif run.restored or now - run.started_at > self.cfg.dispatch_grace_s:
-                effects += self._redo(aid, node, now)
+            elif run.restored or (self._overdue(run, now) and self._read(report, run)):
+                effects += self._redo(aid, node, now)  # it never ran there
+            elif self._overdue(run, now) and run.sent is not None and run.kill_by is None:
+                # unread: lost on the way, or still waiting in a paused agent's socket; the
+                # agent runs an action once however often its dispatch comes
+                run.sent_at = now
+                effects.append(run.sent)
         for aid, r in reported.items():
             if aid in self.killed:
                 if r.cores:  # still running there: kill it once more
@@ -307,6 +321,15 @@ class SchedulerCore:
                 effects += self._adopt(node, aid, r.cores, r.attempt, now)
         self._reconcile_killed(node, reported)
         return effects
+
+    def _overdue(self, run: Dispatched, now: float) -> bool:
+        sent_at = run.started_at if run.sent_at is None else run.sent_at
+        return now - sent_at > self.cfg.dispatch_grace_s
+
+    def _read(self, report: NodeReport, run: Dispatched) -> bool:
+        """The node's report shows it has read this dispatch (so, unlisted, it refused it)."""
+        sent = run.sent
+        return sent is not None and report.seen_epoch == self.epoch and report.seen >= sent.issued
 
     def _reconcile_killed(self, node: Node, reported: Mapping[str, RunningAction]) -> None:
         """A killed action the node no longer lists, or lists without cores (only its
@@ -354,8 +377,8 @@ class SchedulerCore:
                 effects += self._finish(run.action, self._died(run, now, why))
         for aid in [a for a, run in self.killed.items() if run.node_id == node.node_id]:
             del self.killed[aid]  # its cores went with the node
-        for env in list(self.envs.values()):
-            if env.node_id == node.node_id:
+        for env in list(self.envs.values()):  # not those a new incarnation kept (env_tiers)
+            if env.node_id == node.node_id and env.incarnation == node.incarnation:
                 effects.append(self._end_env(env, "lost", f"node {node.node_id} died: {why}"))
         if node.gpu is not None:
             effects += self.gpu.node_gone(node.node_id, now)
@@ -380,6 +403,28 @@ class SchedulerCore:
             started, envs = set(leaving.started), set(leaving.envs or ())
             effects += self._requeue_unstarted(node, started, envs, now)
         return effects + self._node_lost(node, now, "node agent shut down")
+
+    def node_failed(
+        self, node_id: str, incarnation: str, now: float, why: str, lease_s: float
+    ) -> list[Effect]:
+        """The health detector declared this incarnation failed (robustrl §5): it is fenced
+        (its later reports are refused), what it may have started ends ``node_died``, and a
+        dispatch granted ``lease_s`` or more after its last report was read goes back to the
+        queue: its start lease had run out before it was sent, so it never started there."""
+        node = self.nodes.get(node_id)
+        if node is None or node.incarnation != incarnation:
+            return []
+        self._depart(node)
+        effects: list[Effect] = []
+        for aid, run in list(self.running.items()):
+            unstarted = not (run.confirmed or run.restored) and run.kill_by is None
+            if run.node_id == node_id and unstarted and run.started_at >= node.last_seen + lease_s:
+                effects += self._redo(aid, node, now)
+        return effects + self._node_lost(node, now, why)
+
+    def fenced(self, node_id: str, incarnation: str) -> bool:
+        """This incarnation left, was replaced or was declared failed: nothing of it counts."""
+        return (node_id, incarnation) in self.departed
 
     def _requeue_unstarted(
         self, node: Node, started: set[str], envs: set[str], now: float
@@ -412,7 +457,7 @@ class SchedulerCore:
         self._release(env.node_id, env.trajectory_id)
         node = self.nodes.get(env.node_id)
         if node is not None and node.incarnation == env.incarnation:
-            node.reserved_mb -= env.memory_mb
+            env_tiers.released(env, node)
         if status != "closed":
             self.gone_envs[env.trajectory_id] = reason
         else:
@@ -539,7 +584,9 @@ class SchedulerCore:
     def tick(self, now: float) -> list[Effect]:
         """Expire queue timeouts, declare silent nodes dead, fail orphaned restored actions."""
         effects: list[Effect] = []
-        for node in [n for n in self.nodes.values() if now - n.last_seen > self.cfg.node_timeout_s]:
+        silent = [n for n in self.nodes.values() if now - n.last_seen > self.cfg.node_timeout_s]
+        for node in silent if self.cfg.node_timeouts else ():
+            self._depart(node)  # a late report of it must not bring a ghost back
             effects += self._node_lost(node, now, "no heartbeat")
         for aid in self.pending.expired(now, lambda aid: self._expired(aid, now)):
             act = self.queue[aid]
@@ -911,11 +958,20 @@ class SchedulerCore:
         self._views.pop(act.spec.action_id, None)
         self.waits.pop(act.spec.action_id, None)
         self.envs[act.spec.trajectory_id].last_used = now
+        env_tiers.booked(self.envs[act.spec.trajectory_id], node)
         act = msgspec.structs.replace(act, attempt=act.attempt + 1)
-        self.running[act.spec.action_id] = Dispatched(
-            act, node.node_id, node.incarnation, cores, now
+        run = Dispatched(act, node.node_id, node.incarnation, cores, now)
+        self.running[act.spec.action_id] = run
+        run.sent = StartOnNode(
+            node.node_id, act, cores, node.incarnation, after=after, issued=self.issue()
         )
-        return [StartOnNode(node.node_id, act, cores, node.incarnation, after=after)]
+        return [run.sent]
+
+    def issue(self) -> int:
+        """Number a dispatch (see ``Dispatch.issued``); the caller keeps it in ``run.sent``,
+        to send once more if its node never reads it."""
+        self.issued += 1
+        return self.issued
 
     def _reclaim_memory(self, act: UnifiedAction, p: _Pass) -> list[Effect]:
         """Make room for a new environment by ending the oldest idle ones (no action queued
@@ -926,7 +982,7 @@ class SchedulerCore:
         idle = [
             e
             for e in self.envs.values()
-            if e.trajectory_id not in busy and e.trajectory_id not in queued
+            if e.trajectory_id not in busy and e.trajectory_id not in queued and not e.on_disk
         ]
         plan = reclaim_plan(act.env_memory_mb, idle, self._free_mb(p))
         return [

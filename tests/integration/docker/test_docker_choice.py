@@ -104,10 +104,12 @@ async def test_up_says_docker_in_one_line_and_its_actions_run_there(docker_engin
         assert len(said) == 1, lines
         assert "docker backend (engine" in said[0]
         assert f"image {sandbox_image.TAG}" in said[0]
+        from tangram import auth
         from tangram.client import Client
 
         nats_url = lines[-1].split()[3]
-        async with Client.connect(nats_url) as client:
+        creds = auth.find_creds(nats_url, state)  # `tangram up` runs NATS with credentials
+        async with Client.connect(nats_url, creds=creds) as client:
             res = await client.exec(
                 "python3 -c 'print(7)'; id -u", trajectory_id="up-1", job_id="up", wait_s=60
             )

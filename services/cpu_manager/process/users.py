@@ -1,0 +1,163 @@
+"""Unprivileged uids for the process backend's actions: one per live trajectory.
+
+An agent running as root runs each trajectory's actions as a uid of its own (no passwd entry
+is needed to setuid), owning that trajectory's directory with mode 0700, so one trajectory can
+neither read nor write another's files. The uids come from a range this agent alone holds on
+the machine: a *slot* of :data:`SLOT_SIZE` uids above :data:`UID_BASE`, claimed with a lock
+file the kernel releases when the agent dies, so two agents (of one mesh or of two) never hand
+out the same uid. Within the slot uids are handed out in turn, so a uid comes back only after
+the whole slot has been used; its leftover processes are killed when its trajectory closes.
+
+Not root, or an env root other users cannot reach, means actions run as the agent's own user
+(the startup line says so). Nothing else is isolated: network, processes, memory and the rest
+of the filesystem are shared with the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import shutil
+import stat
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Final
+
+import psutil
+
+UID_BASE: Final = 0x4000_0000  # far above what useradd, systemd or subuid ranges hand out
+SLOT_SIZE: Final = 65_536
+SLOTS: Final = 4096
+SLOT_DIR: Final = Path("/run/tangram/uid-slots")  # root's own: nobody else can hold a slot
+SETPRIV: Final = shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin")  # util-linux
+
+
+@dataclass(frozen=True, slots=True)
+class RunAs:
+    """Whom actions run as: per-trajectory uids, or the agent's own user and why."""
+
+    per_trajectory: bool
+    why: str = ""
+
+    def line(self) -> str:
+        """The words of the startup line about users."""
+        if self.per_trajectory:
+            return "each trajectory as its own unprivileged uid, its directory closed to others"
+        return f"actions as this agent's user ({self.why}), trajectories can read each other"
+
+
+def run_as(root: Path, *, wanted: bool = True) -> RunAs:
+    """Whether actions under ``root`` can run as their own uids here (and are ``wanted`` to)."""
+    if not wanted:
+        return RunAs(False, "trajectory_uids off")
+    if os.geteuid() != 0:
+        return RunAs(False, "not root: cannot switch users")
+    if SETPRIV is None:
+        return RunAs(False, "setpriv (util-linux) not found")
+    closed = _closed_ancestor(root)
+    if closed is not None:
+        return RunAs(False, f"{closed} is closed to other users; use a state dir outside it")
+    return RunAs(True)
+
+
+def _closed_ancestor(path: Path) -> Path | None:
+    """The first existing ancestor of ``path`` other users cannot traverse (None: all can)."""
+    for parent in reversed(path.resolve().parents):
+        with contextlib.suppress(FileNotFoundError):
+            if not os.stat(parent).st_mode & stat.S_IXOTH:
+                return parent
+    return None
+
+
+class UidPool:
+    """The uids of one claimed slot, one per live trajectory, handed out in turn."""
+
+    def __init__(self, first: int, size: int = SLOT_SIZE) -> None:
+        self.first = first
+        self.size = size
+        self._next = 0
+        self._by_trajectory: dict[str, int] = {}
+
+    def uid(self, trajectory_id: str) -> int:
+        """The uid of ``trajectory_id`` (a new one for a trajectory not seen yet)."""
+        uid = self._by_trajectory.get(trajectory_id)
+        if uid is None:
+            uid = self._by_trajectory[trajectory_id] = self._fresh()
+        return uid
+
+    def release(self, trajectory_id: str) -> int | None:
+        """Forget the trajectory's uid (returned, for its leftovers to be killed)."""
+        return self._by_trajectory.pop(trajectory_id, None)
+
+    def _fresh(self) -> int:
+        taken = set(self._by_trajectory.values())
+        if len(taken) >= self.size:
+            raise OSError(f"all {self.size} uids of this agent are in use")
+        while True:
+            uid = self.first + self._next
+            self._next = (self._next + 1) % self.size
+            if uid not in taken:
+                return uid
+
+
+class SlotClaim:
+    """A range of uids this agent holds on the machine until :meth:`release` (or death)."""
+
+    def __init__(self, root: Path, slot_dir: Path = SLOT_DIR) -> None:
+        self._file: IO[bytes] | None = None
+        slot_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        start = zlib.crc32(str(root).encode()) % SLOTS  # the same root, the same slot if free
+        for i in range(SLOTS):
+            slot = (start + i) % SLOTS
+            f = open(slot_dir / str(slot), "ab")  # held for the agent's life
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                continue
+            self._file, self.slot = f, slot
+            self.first_uid = UID_BASE + slot * SLOT_SIZE
+            return
+        raise OSError(f"no free uid slot in {slot_dir}: {SLOTS} agents on this machine?")
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def as_uid(uid: int, argv: Sequence[str], path: str, cwd: Path) -> tuple[str, ...]:
+    """``argv`` to run as ``uid`` (the same gid, no supplementary groups, no gain through
+    setuid programs), through setpriv.
+
+    Why not ``Popen(user=...)``: CPython then forks the whole agent instead of vfork-ing, which
+    cost ~5 ms more CPU per action (bench/auth_cost.py). A program that does not exist is
+    named here, as a failed exec would name it (setpriv would only say it failed)."""
+    assert SETPRIV is not None, "run_as() said per-trajectory uids are possible"
+    program = argv[0]
+    found = cwd / program if "/" in program else shutil.which(program, path=path)
+    if found is None or not os.path.exists(found):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+    drop = (f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--")
+    return (SETPRIV, *drop, *argv)
+
+
+def kill_uids(first: int, count: int = 1) -> None:
+    """Kill every process still running as a uid in ``[first, first + count)``: a closed
+    trajectory's background ones, or (the whole slot) an earlier incarnation's, even those
+    that shed the variables leftovers are otherwise recognised by."""
+    for proc in psutil.process_iter(["uids"]):
+        with contextlib.suppress(psutil.Error):
+            if proc.info["uids"] is not None and first <= proc.info["uids"].real < first + count:
+                proc.kill()
+
+
+def own_dir(path: Path, uid: int) -> None:
+    """Make ``path`` the uid's alone: created if missing, owned by it, mode 0700."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    os.chown(path, uid, uid)
+    os.chmod(path, 0o700)

@@ -1,0 +1,255 @@
+"""A NATS server with the mesh's permissions (``tangram.auth``): no credentials, no entry; a
+client's credentials reach the gateway and their own results, and nothing inside the mesh."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+
+from services.cpu_manager.process import users
+from services.gateway.formulation import Limits, formulate
+from tangram import auth, subjects
+from tangram.auth import CLIENT, GATEWAY, NODE, SCHEDULER, Keyring, Principal
+from tangram.bus import Bus
+from tangram.client import Client
+from tangram.contract import Completion, Dispatch, Enqueue, GetResult, Outcome, encode
+from tangram.contract.agent import Reconcile
+from tangram.embedded import EmbeddedNats
+from tangram.errors import NotFound, Unavailable
+from tests.support import eventually, exec_spec, running_mesh
+
+ALICE, BOB = Principal(CLIENT, "alice"), Principal(CLIENT, "bob")
+NODE1, NODE2 = Principal(NODE, "n1"), Principal(NODE, "n2")
+EVERYONE = [ALICE, BOB, Principal(SCHEDULER), Principal(GATEWAY), NODE1, NODE2]
+
+
+@dataclass
+class Secured:
+    url: str
+    ring: Keyring
+
+    async def bus(self, who: Principal) -> Bus:
+        return await Bus.connect(self.url, who.user, creds=self.ring.path(who), deadline_s=5)
+
+
+@pytest.fixture
+async def secured(tmp_path: Path) -> AsyncIterator[Secured]:
+    ring = Keyring(tmp_path)
+    conf = ring.server_config(EVERYONE)
+    server = await asyncio.to_thread(EmbeddedNats(tmp_path / "nats", config=conf).start)
+    try:
+        yield Secured(server.url, ring)
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+async def raw(s: Secured, who: Principal) -> tuple[NATS, list[Exception]]:
+    """A bare connection with ``who``'s credentials that collects what the broker refuses."""
+    creds = auth.load_creds(s.ring.path(who))
+    errors: list[Exception] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(exc)
+
+    nc = await nats.connect(
+        s.url,
+        user=creds.user,
+        password=creds.password,
+        inbox_prefix=creds.inbox_prefix,
+        error_cb=on_error,
+        allow_reconnect=False,
+    )
+    return nc, errors
+
+
+def refused(errors: list[Exception], what: str) -> bool:
+    return any(f"permissions violation for {what}".lower() in str(e).lower() for e in errors)
+
+
+def an_action(uid: str) -> Any:
+    return formulate(exec_spec(uid, "forged", "id"), now=time.time(), limits=Limits())
+
+
+async def test_a_connection_without_credentials_is_refused_at_once(secured: Secured) -> None:
+    start = time.monotonic()
+    with pytest.raises(Unavailable, match="credentials required"):
+        await Bus.connect(secured.url, "anonymous", deadline_s=5)
+    forged = secured.ring.path(ALICE).with_name("forged.json")
+    forged.write_text('{"user": "client-alice", "password": "guess"}')
+    with pytest.raises(Unavailable, match="wrong credentials"):
+        await Bus.connect(secured.url, "guesser", creds=forged, deadline_s=5)
+    assert time.monotonic() - start < 2.0  # refused, not retried until the deadline
+
+
+# (what is forged, its subject, who really serves it, who really sends on it, the forger)
+FORGERIES = {
+    "dispatch to a node": (subjects.node("n1").subject, NODE1, Principal(SCHEDULER), ALICE),
+    "completion to the scheduler": (
+        subjects.SCHED_NODES.subject,
+        Principal(SCHEDULER),
+        NODE1,
+        ALICE,
+    ),
+    "enqueue past the gateway": (
+        subjects.SCHED_ACTIONS.subject,
+        Principal(SCHEDULER),
+        Principal(GATEWAY),
+        ALICE,
+    ),
+    "reconcile with a huge epoch": (
+        subjects.NODES_BROADCAST.subject,
+        NODE1,
+        Principal(SCHEDULER),
+        ALICE,
+    ),
+    "dispatch from a node to another": (
+        subjects.node("n2").subject,
+        NODE2,
+        Principal(SCHEDULER),
+        NODE1,
+    ),
+    "result pushed by a node": (
+        subjects.results("alice") + ".c1",
+        ALICE,
+        Principal(SCHEDULER),
+        NODE1,
+    ),
+}
+
+
+def forged_message(kind: str, uid: str) -> bytes:
+    action = an_action(uid)
+    if kind.startswith("dispatch"):
+        return encode(Dispatch(action=action, cores=(0,), epoch=1))
+    if kind.startswith("completion"):
+        outcome = Outcome(exit_code=0, stdout="forged")
+        return encode(
+            Completion(node_id="n1", incarnation="x", action_id=uid, attempt=1, outcome=outcome)
+        )
+    if kind.startswith("enqueue"):
+        return encode(Enqueue(action=action))
+    if kind.startswith("result"):
+        return b"forged result"
+    return encode(Reconcile(epoch=2**62))
+
+
+@pytest.mark.parametrize("kind", list(FORGERIES))
+async def test_no_one_publishes_outside_their_grant(secured: Secured, kind: str, uid: str) -> None:
+    subject, server, sender, forger = FORGERIES[kind]
+    receiver, _ = await raw(secured, server)
+    heard: list[bytes] = []
+
+    async def got(msg: Any) -> None:
+        heard.append(msg.data)
+
+    await receiver.subscribe(subject, cb=got)
+    await receiver.flush()
+    attacker, errors = await raw(secured, forger)
+    honest, _ = await raw(secured, sender)
+    try:
+        await attacker.publish(subject, forged_message(kind, uid))
+        await attacker.flush()
+        await eventually(lambda: refused(errors, f'publish to "{subject}"'), what="a refusal")
+        await honest.publish(subject, b"marker")  # the legitimate sender still gets through
+        await eventually(lambda: heard, what="the marker")
+        assert heard == [b"marker"]
+    finally:
+        for nc in (attacker, honest, receiver):
+            await nc.close()
+
+
+async def test_a_client_reads_its_own_results_and_replies_alone(secured: Secured) -> None:
+    alice, errors = await raw(secured, ALICE)
+    try:
+        for subject in (
+            subjects.results("bob") + ".c1",
+            subjects.RESULTS_PREFIX + ".>",
+            auth.inbox_prefix(BOB.user) + ".>",
+            "_INBOX.>",
+            ">",
+        ):
+            await alice.subscribe(subject)
+            await alice.flush()
+            await eventually(
+                lambda s=subject: refused(errors, f'subscription to "{s}"'),  # type: ignore[misc]
+                what=f"a refusal to read {subject}",
+            )
+    finally:
+        await alice.close()
+
+
+async def test_the_normal_paths_work_under_their_grants(secured: Secured) -> None:
+    """A client asks the gateway and hears its reply; the scheduler pushes its results."""
+    gateway = await secured.bus(Principal(GATEWAY))
+    scheduler = await secured.bus(Principal(SCHEDULER))
+    alice, errors = await raw(secured, ALICE)
+    try:
+
+        async def nothing_known(req: Any, msg: Any) -> None:
+            raise NotFound("no such action")
+
+        gateway.serve(subjects.GATEWAY, nothing_known)
+        await gateway.start()
+        client_bus = await secured.bus(ALICE)
+        with pytest.raises(NotFound):
+            await client_bus.request(subjects.GATEWAY, GetResult(action_id="x"), timeout=2)
+        await client_bus.close()
+        mine = subjects.results("alice") + ".c1"
+        sub = await alice.subscribe(mine)
+        await alice.flush()
+        await scheduler._send(mine, b"result", None)
+        msg = await sub.next_msg(timeout=2)
+        assert msg.data == b"result"
+        assert errors == []
+    finally:
+        await alice.close()
+        await gateway.close()
+        await scheduler.close()
+
+
+@pytest.fixture
+def open_state() -> Iterator[Path]:
+    """A state dir other users can pass through (the process backend's uids reach their
+    directories); pytest's own temp dirs are closed to them."""
+    base = Path(tempfile.mkdtemp(prefix="tga-", dir="/tmp"))
+    os.chmod(base, 0o711)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+async def test_a_mesh_with_auth_serves_a_client_that_found_it(
+    open_state: Path, uid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tangram up``'s mesh: the client finds the URL and its credentials in mesh.json; the
+    services connect with their own; the action runs as a uid of its trajectory."""
+    monkeypatch.delenv("TANGRAM_NATS_URL", raising=False)
+    monkeypatch.delenv(auth.CREDS_VAR, raising=False)
+    monkeypatch.setenv("TANGRAM_STATE_DIR", str(open_state))
+    async with running_mesh(open_state, secure=True, quota_manager=False) as mesh:
+        info = json.loads((open_state / "mesh.json").read_text())
+        assert Path(info["client_creds"]) == mesh.client_creds
+        with pytest.raises(Unavailable, match="credentials required"):
+            await Bus.connect(mesh.nats_url, "anonymous", deadline_s=5)
+        async with Client.connect() as client:
+            assert client.results_subject.startswith(subjects.results("default") + ".")
+            res = await client.exec("id -u", trajectory_id=f"{uid}-t", job_id=uid)
+        assert res.exit_code == 0, res
+        run_as = int(res.stdout.strip())
+        expect_own_uid = os.geteuid() == 0
+        assert (run_as >= users.UID_BASE) if expect_own_uid else run_as == os.geteuid()
+    broker_log = (open_state / "nats" / "nats.log").read_text()
+    assert "Violation" not in broker_log  # every service's own traffic fits its grant

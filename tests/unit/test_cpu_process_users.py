@@ -1,0 +1,162 @@
+"""The process backend run as root: each trajectory's actions run as an unprivileged uid of
+their own, and no trajectory can read or write another's directory (``process.users``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from services.cpu_manager.backend_api import ExecOutcome, ExecRequest
+from services.cpu_manager.process import users
+from services.cpu_manager.process.backend import ProcessBackend, ProcessConfig
+from tests.support import eventually
+
+CORES = tuple(sorted(os.sched_getaffinity(0)))[:1]
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
+
+
+@pytest.fixture
+def open_root() -> Iterator[Path]:
+    """An env root other users can reach (pytest's own temp dirs are closed to them)."""
+    base = Path(tempfile.mkdtemp(prefix="tgp-", dir="/tmp"))
+    os.chmod(base, 0o711)
+    try:
+        yield base / "envs"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+async def backend(open_root: Path) -> AsyncIterator[ProcessBackend]:
+    b = ProcessBackend(ProcessConfig(root=open_root, node_id="n-users", incarnation="users"))
+    await b.start()
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+async def run(b: ProcessBackend, trajectory: str, command: str) -> ExecOutcome:
+    argv = ("sh", "-c", command)
+    return await b.run(
+        ExecRequest(f"{trajectory}-{command[:8]}", trajectory, argv, CORES, 10, 4096)
+    )
+
+
+@as_root
+async def test_actions_run_as_a_uid_of_their_trajectory(backend: ProcessBackend) -> None:
+    assert backend.run_as.per_trajectory
+    a1 = await run(backend, "ta", "id -u; id -G")
+    a2 = await run(backend, "ta", "id -u")
+    b1 = await run(backend, "tb", "id -u")
+    uid_a, groups = a1.stdout.decode().split("\n")[:2]
+    assert int(uid_a) >= users.UID_BASE
+    assert groups == uid_a  # its own group alone: none of root's
+    assert a2.stdout.decode().strip() == uid_a
+    assert b1.stdout.decode().strip() not in ("0", uid_a)
+
+
+@as_root
+async def test_a_trajectory_cannot_touch_another_ones_files(backend: ProcessBackend) -> None:
+    wrote = await run(backend, "ta", "echo secret > mine && echo $HOME")
+    assert wrote.exit_code == 0, wrote.stderr
+    home_a = wrote.stdout.decode().strip()
+    for probe in (f"cat {home_a}/mine", f"ls {home_a}", f"touch {home_a}/theirs", "ls .."):
+        out = await run(backend, "tb", probe)
+        assert out.exit_code != 0, f"{probe} succeeded: {out.stdout!r}"
+        assert b"Permission denied" in out.stderr
+    assert (Path(home_a) / "mine").read_text() == "secret\n"
+    assert not (Path(home_a) / "theirs").exists()
+
+
+@as_root
+async def test_closing_a_trajectory_kills_what_it_left_running(backend: ProcessBackend) -> None:
+    out = await run(backend, "tc", "setsid sleep 60 </dev/null >/dev/null 2>&1 & id -u")
+    uid = int(out.stdout.decode().strip())
+
+    def running() -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["uids"]) if p.info["uids"].real == uid]
+
+    await eventually(running, what="the background sleep")
+    await backend.drop_env("tc")
+    await eventually(lambda: not running(), what="the leftover to be killed")
+
+
+async def test_a_closed_directory_on_the_way_means_the_agents_user(tmp_path: Path) -> None:
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    said = users.run_as(closed / "envs")
+    assert not said.per_trajectory
+    assert "can read each other" in said.line()
+    assert users.run_as(Path("/tmp"), wanted=False) == users.RunAs(False, "trajectory_uids off")
+
+
+def test_uids_are_one_per_trajectory_and_come_back_last() -> None:
+    pool = users.UidPool(1000, size=3)
+    a, b = pool.uid("a"), pool.uid("b")
+    assert (a, b, pool.uid("a")) == (1000, 1001, 1000)
+    assert pool.release("a") == 1000
+    assert pool.uid("c") == 1002  # not the one just freed
+    assert pool.uid("d") == 1000
+    with pytest.raises(OSError, match="in use"):
+        pool.uid("e")
+
+
+def test_two_agents_hold_different_uid_ranges(tmp_path: Path) -> None:
+    first = users.SlotClaim(Path("/same/root"), slot_dir=tmp_path)
+    second = users.SlotClaim(Path("/same/root"), slot_dir=tmp_path)
+    try:
+        assert first.first_uid != second.first_uid
+    finally:
+        first.release()
+        second.release()
+    again = users.SlotClaim(Path("/same/root"), slot_dir=tmp_path)
+    assert again.slot == first.slot  # released by the first: the same root gets it back
+    again.release()
+
+
+@as_root
+async def test_a_missing_program_and_setuid_programs_as_a_trajectory_uid(
+    backend: ProcessBackend,
+) -> None:
+    missing = await run(backend, "td", "x")  # sh exists; now a program that does not
+    argv = ("no-such-program-h5",)
+    req = ExecRequest("td-missing", "td", argv, CORES, 10, 4096)
+    out = await backend.run(req)
+    assert (out.exit_code, out.stderr) == (127, b"no-such-program-h5: command not found\n")
+    assert missing.exit_code == 127  # sh's own "x: not found"
+    status = await run(backend, "td", "grep NoNewPrivs /proc/self/status")
+    assert status.stdout.split() == [b"NoNewPrivs:", b"1"]  # su, sudo: no way back to root
+
+
+@as_root
+async def test_a_new_incarnation_kills_what_the_last_one_left_under_its_uids(
+    open_root: Path,
+) -> None:
+    def config(incarnation: str) -> ProcessConfig:
+        return ProcessConfig(root=open_root, node_id="n-users", incarnation=incarnation)
+
+    first = ProcessBackend(config("one"))
+    await first.start()
+    try:  # shed the variables leftovers are recognised by, and the process group
+        out = await run(first, "te", "env -i setsid sleep 60 </dev/null >/dev/null 2>&1 & id -u")
+    finally:
+        await first.close()
+    uid = int(out.stdout.decode().strip())
+
+    def running() -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["uids"]) if p.info["uids"].real == uid]
+
+    await eventually(running, what="the escaped sleep")
+    second = ProcessBackend(config("two"))
+    await second.start()
+    try:
+        await eventually(lambda: not running(), what="the escaped sleep to be killed")
+    finally:
+        await second.close()
