@@ -10,7 +10,9 @@ each principal's permissions are derived from it, so a new subject left out of t
 caught by a test, never silently open or closed. Every principal reads replies on its own inbox
 prefix (``_INBOX_<user>``), so no one reads another's replies; a serving role may answer only
 the requests it received (NATS ``allow_responses``). ``ops`` is the operator's own (``tangram up``,
-``tangram status``): it may ask the gateway and the scheduler, never talk to nodes.
+``tangram status``): it may ask the gateway and the scheduler's status, never talk to nodes.
+A node agent sends to the scheduler on a subject of its own id (the scheduler checks the
+message is that node's); only the gateway changes the scheduler's books.
 
 Credentials are user/password pairs (no extra dependency on either side), one JSON file per
 principal, mode 0600 in a 0700 directory of the state dir; the server's config holds them all.
@@ -31,6 +33,7 @@ from typing import Final
 import msgspec
 
 from tangram import discovery, subjects
+from tangram.contract import Completions, NodeMessage
 from tangram.errors import InvalidRequest
 
 CREDS_VAR: Final = "TANGRAM_CREDS"
@@ -56,13 +59,20 @@ class Route:
     serve: tuple[str, ...]
     send: tuple[str, ...]
     replies: bool = True  # its servers answer requests (a push subject: False)
+    # whose id ``{id}`` is: the server's (its senders may send to any id), or the sender's
+    # (it may send under its own id alone; its servers hear every id)
+    sender_id: bool = False
 
 
-# Every subject of the mesh. A sender of a subject with ``{id}`` may send to any id (``*``).
+# Every subject of the mesh. A sender of a subject with ``{id}`` may send to any id (``*``),
+# unless the id is the sender's own. Only the gateway changes the scheduler's books (intake,
+# cancels, services): the read-only roles ask its status subject alone.
 ROUTES: Final = (
     Route(subjects.GATEWAY.subject, serve=(GATEWAY,), send=(CLIENT, OPS, FRONT)),
-    Route(subjects.SCHED_ACTIONS.subject, serve=(SCHEDULER,), send=(GATEWAY, OPS, DASHBOARD)),
-    Route(subjects.SCHED_NODES.subject, serve=(SCHEDULER,), send=(NODE,)),
+    Route(subjects.SCHED_ACTIONS.subject, serve=(SCHEDULER,), send=(GATEWAY,)),
+    Route(subjects.SCHED_STATUS.subject, serve=(SCHEDULER,), send=(GATEWAY, OPS, DASHBOARD)),
+    # a node speaks for itself alone (the scheduler refuses a message for another node id)
+    Route(subjects.sched_node(ID).subject, serve=(SCHEDULER,), send=(NODE,), sender_id=True),
     Route(subjects.SCHED_PRESSURE.subject, serve=(GATEWAY,), send=(SCHEDULER,)),
     Route(subjects.NODES_BROADCAST.subject, serve=(NODE,), send=(SCHEDULER,)),
     Route(subjects.node(ID).subject, serve=(NODE,), send=(SCHEDULER,)),
@@ -110,11 +120,31 @@ def inbox_prefix(user: str) -> str:
 
 def grant(who: Principal) -> Grant:
     """The permissions of ``who``, derived from :data:`ROUTES`."""
-    pub = [r.subject.replace(ID, "*") for r in ROUTES if who.role in r.send]
-    sub = [r.subject.replace(ID, who.id) for r in ROUTES if who.role in r.serve]
+    pub = [
+        r.subject.replace(ID, who.id if r.sender_id else "*") for r in ROUTES if who.role in r.send
+    ]
+    # a server of the senders' ids hears them all (``>``: a node id may hold dots unauthed)
+    sub = [
+        r.subject.replace(ID, ">" if r.sender_id else who.id) for r in ROUTES if who.role in r.serve
+    ]
     sub.append(inbox_prefix(who.user) + ".>")
     responds = any(who.role in r.serve and r.replies for r in ROUTES)
     return Grant(tuple(pub), tuple(sub), responds)
+
+
+def check_sender(msg: NodeMessage, subject: str) -> None:
+    """Refuse ``msg``, heard on ``subject``, unless every node id it speaks for is the one of
+    that :func:`~tangram.subjects.sched_node` subject (the broker lets a node's credential
+    send on its own alone): one node must not report, complete or leave for another."""
+    prefix = subjects.SCHED_NODES_PREFIX + "."
+    sender = subject[len(prefix) :] if subject.startswith(prefix) else ""
+    ids = [c.node_id for c in msg.items] if isinstance(msg, Completions) else [msg.node_id]
+    for node_id in ids:
+        if node_id != sender:
+            raise InvalidRequest(
+                f"{type(msg).__name__} for node {node_id!r} on {subject}: a node agent sends"
+                " for itself alone, on its own subject"
+            )
 
 
 class Creds(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -409,10 +409,14 @@ class Bus(BaseBus):
         on_reconnect: Callable[[], Awaitable[None]] | None,
         who: auth.Creds | None,
     ) -> NATS:
+        resyncs: set[asyncio.Task[None]] = set()
+
         async def reconnected() -> None:
             log.info("%s: reconnected to NATS", name)
-            if on_reconnect is not None:
-                await on_reconnect()
+            if on_reconnect is not None:  # in a task: nats-py awaits this in its reconnect loop
+                task = asyncio.ensure_future(on_reconnect())
+                resyncs.add(task)
+                task.add_done_callback(_resynced(resyncs))
 
         options: dict[str, Any] = {
             "name": name,
@@ -422,7 +426,7 @@ class Bus(BaseBus):
             "allow_reconnect": True,
             "pending_size": 64 * 1024 * 1024,
             "disconnected_cb": _log_event(f"{name}: disconnected from NATS"),
-            "reconnected_cb": _log_event(f"{name}: reconnected to NATS"),
+            "reconnected_cb": reconnected,  # logs, then ``on_reconnect`` (a client resyncs)
         }
         if who is not None:  # its own inbox prefix: the only one it may read replies under
             options.update(user=who.user, password=who.password, inbox_prefix=who.inbox_prefix)
@@ -494,6 +498,18 @@ async def _log_error(exc: Exception) -> None:
         log.warning("NATS refused: %s", exc)
         return
     log.info("NATS: %s", exc)
+
+
+def _resynced(tasks: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
+    """Forget a finished ``on_reconnect`` task, logging how it failed (it is retried at the
+    next reconnection, not now)."""
+
+    def done(task: asyncio.Task[None]) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("after a reconnection: %r", task.exception())
+
+    return done
 
 
 def _is_refusal(exc: BaseException) -> bool:

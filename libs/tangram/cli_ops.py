@@ -102,7 +102,7 @@ async def cmd_result(args: argparse.Namespace) -> int:
 async def scheduler_status(url: str) -> SchedulerStatus:
     bus = await Bus.connect(url, "tangram-status", deadline_s=5.0, creds=auth.ops_creds(url))
     try:
-        st = await bus.request(subjects.SCHED_ACTIONS, StatusQuery(), timeout=3.0)
+        st = await bus.request(subjects.SCHED_STATUS, StatusQuery(), timeout=3.0)
     finally:
         await bus.close()
     if not isinstance(st, SchedulerStatus):

@@ -395,14 +395,17 @@ class Client:
     # ------------------------------------------------------------------ internals
 
     async def _submit(self, spec: ActionSpec) -> Accepted | ActionResult:
-        with telemetry.tracer().start_as_current_span("tangram.submit") as span:
-            span.set_attribute("tangram.action_id", spec.action_id)
-            req = Submit(spec=spec, reply_subject=self.results_subject)
-            # A traced submit goes alone: its request carries its own trace context.
-            first = None if telemetry.recording() else partial(self._intake.submit, req)
-            reply = await self._gateway(
-                req, busy_s=spec.queue_timeout_s or BUSY_WAIT_S, first=first
-            )
+        req = Submit(spec=spec, reply_subject=self.results_subject)
+        busy_s = spec.queue_timeout_s or BUSY_WAIT_S
+        # A submit starts a trace only where this process records one, within its budget of
+        # new traces (a service that is a client, the reward front, stores at most so many a
+        # second); an untraced one is batched with the others.
+        if not telemetry.start_trace(req):
+            reply = await self._gateway(req, busy_s=busy_s, first=partial(self._intake.submit, req))
+        else:
+            with telemetry.tracer().start_as_current_span("tangram.submit") as span:
+                span.set_attribute(telemetry.ACTION_ID, spec.action_id)
+                reply = await self._gateway(req, busy_s=busy_s)  # alone: it carries its context
         if not isinstance(reply, Accepted | ActionResult):
             raise TangramError(f"unexpected reply to submit: {type(reply).__name__}")
         return reply

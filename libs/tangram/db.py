@@ -2,8 +2,9 @@
 
 Postgres is the system of record. Migrations live in ``tangram/migrations/NNNN_name.sql``
 and are applied in order, once, under an advisory lock, so every service may call
-:func:`migrate` at start. :class:`GroupCommit` turns many concurrent writes into one
-transaction without adding latency when the system is idle.
+:func:`migrate` at start (with nothing pending it only reads, so a role without DDL rights
+may call it too: see :mod:`tangram.pg_roles`). :class:`GroupCommit` turns many concurrent
+writes into one transaction without adding latency when the system is idle.
 """
 
 from __future__ import annotations
@@ -68,26 +69,63 @@ def migrations() -> list[tuple[int, str, str]]:
 
 async def migrate(pool: asyncpg.Pool) -> list[int]:
     """Apply the migrations that are not applied yet; return the versions applied now."""
+    async with pool.acquire() as conn:
+        return await migrate_on(conn)
+
+
+_SCHEMA_MIGRATIONS = (
+    "CREATE TABLE IF NOT EXISTS schema_migrations ("
+    " version int PRIMARY KEY, name text NOT NULL,"
+    " applied_at timestamptz NOT NULL DEFAULT now())"
+)
+
+
+async def migrate_on(conn: Any) -> list[int]:
+    """:func:`migrate` on one connection (as whatever role it has set). With nothing pending it
+    only reads: a role without DDL rights (a service's on a secure mesh) passes through."""
+    if not await _pending(conn):
+        return []
     applied: list[int] = []
-    async with pool.acquire() as conn, conn.transaction():
-        await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
-        await conn.execute(
-            "CREATE TABLE IF NOT EXISTS schema_migrations ("
-            " version int PRIMARY KEY, name text NOT NULL,"
-            " applied_at timestamptz NOT NULL DEFAULT now())"
-        )
-        done = {r["version"] for r in await conn.fetch("SELECT version FROM schema_migrations")}
-        for version, name, sql in migrations():
-            if version in done:
-                continue
-            await conn.execute(sql)
-            await conn.execute(
-                "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)", version, name
-            )
-            applied.append(version)
+    try:
+        async with conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
+            # IF NOT EXISTS, not to_regclass: under the advisory lock (no relation lock) the
+            # catalog lookup may not yet see a table another service just created
+            await conn.execute(_SCHEMA_MIGRATIONS)
+            done = await _applied(conn)  # again, under the lock: another may have migrated
+            for version, name, sql in migrations():
+                if version in done:
+                    continue
+                await conn.execute(sql)
+                await conn.execute(
+                    "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)", version, name
+                )
+                applied.append(version)
+    except asyncpg.InsufficientPrivilegeError as exc:
+        raise ServiceDead(
+            f"migrations are pending and this Postgres role may not apply them ({exc}); "
+            "the schema's owner applies them (`tangram up` does at start)"
+        ) from exc
     if applied:
         log.info("applied migrations %s", applied)
     return applied
+
+
+async def _has_table(conn: Any) -> bool:
+    # Read-only, unlike CREATE TABLE IF NOT EXISTS (which checks the right to create first).
+    return await conn.fetchval("SELECT to_regclass('schema_migrations')") is not None
+
+
+async def _applied(conn: Any) -> set[int]:
+    return {r["version"] for r in await conn.fetch("SELECT version FROM schema_migrations")}
+
+
+async def _pending(conn: Any) -> bool:
+    """Whether a bundled migration is not applied yet (read without any lock)."""
+    if not await _has_table(conn):
+        return True
+    done = await _applied(conn)
+    return any(version not in done for version, _, _ in migrations())
 
 
 # SQLSTATE classes and codes after which the same write can succeed: connection loss (08),

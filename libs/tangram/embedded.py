@@ -3,6 +3,11 @@
 
 Both are plain child processes we own by pid, so tests can kill -9 and restart them. The
 calls here block (process start, readiness waits): call them from a thread in async code.
+
+Given a password file, the Postgres cluster trusts no one: every connection, over TCP or the
+socket, proves a role's password (scram-sha-256). Password files are libpq's ``.pgpass``
+format, mode 0600, named in the DSN (``?passfile=``): no secret in a DSN, an environment,
+``mesh.json`` or a log line.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -19,10 +25,20 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from urllib.parse import quote
 
+from tangram.auth import _write_private  # the mesh's one writer of secrets (0600 in 0700)
 from tangram.errors import Unavailable
 
 PG_SYSTEM_USER = "embedded_postgres"
+PG_SUPERUSER = "postgres"
+# The first line of a pg_hba.conf written here: a cluster without it still trusts local users.
+_HBA_MARK = "# tangram: every connection proves a password"
+_HBA = f"""{_HBA_MARK} (scram-sha-256); rewritten by tangram.embedded
+local all all scram-sha-256
+host all all 127.0.0.1/32 scram-sha-256
+host all all ::1/128 scram-sha-256
+"""
 
 
 _PR_SET_PDEATHSIG = 1
@@ -129,18 +145,45 @@ class EmbeddedNats:
         _stop(self.proc, signal.SIGKILL, 10)
 
 
-class EmbeddedPostgres:
-    """A PostgreSQL cluster in ``data_dir`` listening on 127.0.0.1."""
+def ensure_passfile(path: Path, role: str) -> tuple[str, bool]:
+    """The password of ``role`` kept in ``path`` (a .pgpass file), and whether it was made now
+    (a new random one, written 0600 in a 0700 directory)."""
+    try:
+        line = path.read_text().strip()
+    except FileNotFoundError:
+        password = secrets.token_urlsafe(24)  # no ':' or '\\': nothing to escape in .pgpass
+        _write_private(path, f"*:*:*:{role}:{password}\n".encode())
+        return password, True
+    return line.rsplit(":", 1)[1], False
 
-    def __init__(self, data_dir: Path, port: int | None = None, *, fsync: bool = True) -> None:
+
+class EmbeddedPostgres:
+    """A PostgreSQL cluster in ``data_dir`` listening on 127.0.0.1; with ``passfile`` (the
+    superuser's password, made there if missing) it demands a password of every connection."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        *,
+        fsync: bool = True,
+        passfile: Path | None = None,
+    ) -> None:
         self.data_dir = data_dir
         self.port = port or free_port()
         self.fsync = fsync
+        self.passfile = passfile
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def dsn(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+        """The superuser's DSN (naming its password file when the cluster demands one)."""
+        return self.dsn_as(PG_SUPERUSER, self.passfile)
+
+    def dsn_as(self, role: str, passfile: Path | None) -> str:
+        """A DSN that logs in as ``role`` with the password in ``passfile``."""
+        dsn = f"postgresql://{role}@127.0.0.1:{self.port}/postgres"
+        return dsn if passfile is None else f"{dsn}?passfile={quote(str(passfile.resolve()))}"
 
     @staticmethod
     def bin_dir() -> Path:
@@ -180,6 +223,8 @@ class EmbeddedPostgres:
         pgdata = self.data_dir / "pgdata"
         if not (pgdata / "PG_VERSION").exists():
             self._initdb(pgdata, user)
+        if self.passfile is not None:
+            self._demand_passwords(pgdata, user, self.passfile)
         log = self.data_dir / "postgres.log"
         cmd = [
             str(self.bin_dir() / "postgres"),
@@ -229,6 +274,23 @@ class EmbeddedPostgres:
             capture_output=True,
             user=user,
         )
+
+    def _demand_passwords(self, pgdata: Path, user: str | None, passfile: Path) -> None:
+        """Before the server starts: the superuser's password set, pg_hba demanding passwords.
+        Set in single-user mode (no listener at all), so a cluster that trusted local users
+        (made before, or just now by initdb) never accepts a connection without one."""
+        password, made = ensure_passfile(passfile, PG_SUPERUSER)
+        hba = pgdata / "pg_hba.conf"
+        if not made and hba.read_text().startswith(_HBA_MARK):
+            return
+        sql = f"ALTER ROLE {PG_SUPERUSER} PASSWORD '{password}';\n"  # urlsafe: no quoting
+        single = [str(self.bin_dir() / "postgres"), "--single", "-D", str(pgdata), "postgres"]
+        done = subprocess.run(single, input=sql.encode(), capture_output=True, user=user)
+        if done.returncode != 0:
+            raise Unavailable(f"cannot set the Postgres password: {done.stderr.decode()[-500:]}")
+        hba.write_text(_HBA)
+        if user is not None:
+            shutil.chown(hba, user, user)
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tangram import auth, config, subjects
+from tangram import auth, config, pg_roles, subjects
 from tangram.bus import Bus
 from tangram.config import MeshConfig
 from tangram.contract import SchedulerStatus, StatusQuery
@@ -100,6 +100,7 @@ class Mesh:
         self.dashboard_url = ""
         self.reward_front_url = ""
         self.auth: auth.MeshAuth | None = None  # made with the embedded NATS when opts.secure
+        self.pg_roles: pg_roles.MeshRoles | None = None  # embedded Postgres when opts.secure
         self.supervising = False
         self._supervisors: dict[str, asyncio.Task[None]] = {}  # by process key
         self.ops_ports: dict[str, int] = {}  # service key -> its ops endpoint's port (kept)
@@ -123,9 +124,13 @@ class Mesh:
             self.nats = await asyncio.to_thread(nats.start)
             self.nats_url = self.nats.url
         if not self.postgres_dsn:
-            pg = EmbeddedPostgres(state / "postgres", fsync=self.opts.fsync)
+            keys = state / auth.AUTH_DIR
+            pw = pg_roles.superuser_passfile(keys) if self.opts.secure else None
+            pg = EmbeddedPostgres(state / "postgres", fsync=self.opts.fsync, passfile=pw)
             self.pg = await asyncio.to_thread(pg.start)
             self.postgres_dsn = self.pg.dsn
+            if self.opts.secure:  # migrated by the schema's owner; a role for each service
+                self.pg_roles = await pg_roles.provision(self.pg, keys)
         creds = self.auth.mesh_fields() if self.auth is not None else {}
         if self.opts.dashboard and not self.dashboard_url:
             port = _if_free(self.opts.dashboard_port) or free_port()
@@ -210,11 +215,12 @@ class Mesh:
     # ------------------------------------------------------------------ services
 
     def service_env(self, name: str, index: int = 0) -> dict[str, str]:
+        dsn = self.pg_roles.dsn(name) if self.pg_roles else self.postgres_dsn  # its own role
         env = dict(os.environ)
         env.update(
             {
                 "TANGRAM_NATS_URL": self.nats_url,
-                "TANGRAM_POSTGRES_DSN": self.postgres_dsn,
+                "TANGRAM_POSTGRES_DSN": dsn,
                 "TANGRAM_SCHEDULER_POLICY": self.opts.policy,
                 "TANGRAM_CPU_BACKEND": self.opts.backend,
                 "TANGRAM_CPU_STATE_DIR": str(self.opts.state_dir),
@@ -231,8 +237,6 @@ class Mesh:
             env[auth.CREDS_VAR] = str(creds)
         if name == "reward_front":  # a client of the gateway, on the port chosen for it
             env["TANGRAM_REWARD_FRONT_PORT"] = self.reward_front_url.rpartition(":")[2] or "0"
-            if self.auth is not None:
-                env[auth.CREDS_VAR] = str(self.auth.client_creds)
         return env
 
     async def start_service(self, name: str, index: int = 0) -> None:
@@ -289,7 +293,7 @@ class Mesh:
         await self.start_service("reward_front")
 
     async def status(self, bus: Bus, timeout: float = 2.0) -> SchedulerStatus:
-        st = await bus.request(subjects.SCHED_ACTIONS, StatusQuery(), timeout=timeout)
+        st = await bus.request(subjects.SCHED_STATUS, StatusQuery(), timeout=timeout)
         if not isinstance(st, SchedulerStatus):
             raise Unavailable(f"the scheduler answered a status query with {type(st).__name__}")
         return st

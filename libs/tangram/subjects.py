@@ -23,9 +23,11 @@ from tangram.contract import (
     Pressure,
     Quotas,
     Resources,
+    ResourcesQuery,
     SchedulerRequest,
     SchedulerStatus,
     Services,
+    StatusQuery,
     Submitted,
 )
 from tangram.contract.spans import SpanBatch
@@ -36,6 +38,7 @@ Rep = TypeVar("Rep")
 
 PREFIX: Final = "tangram.v1"
 RESULTS_PREFIX: Final = f"{PREFIX}.results"
+SCHED_NODES_PREFIX: Final = f"{PREFIX}.sched.nodes"
 
 GATEWAY_QUEUE: Final = "gateway"
 SCHEDULER_QUEUE: Final = "scheduler"
@@ -43,6 +46,9 @@ SCHEDULER_QUEUE: Final = "scheduler"
 # What the gateway answers (besides ErrorReply); what the scheduler answers on its action subject.
 GatewayAnswer = Accepted | ActionResult | Pending | Done | Services | Quotas | Submitted
 SchedulerAnswer = Ack | SchedulerStatus | Services | Resources
+# The read-only questions the scheduler answers on its status subject, and its answers.
+StatusRequest = StatusQuery | ResourcesQuery
+StatusAnswer = SchedulerStatus | Resources
 
 
 @dataclass(frozen=True)
@@ -66,8 +72,13 @@ GATEWAY: Final = Endpoint[GatewayRequest, GatewayAnswer](
 SCHED_ACTIONS: Final = Endpoint[SchedulerRequest, SchedulerAnswer](
     f"{PREFIX}.sched.actions", SchedulerRequest, SchedulerAnswer, SCHEDULER_QUEUE
 )
+# What the scheduler serves of the node agents: every node's own subject (see sched_node).
 SCHED_NODES: Final = Endpoint[NodeMessage, Ack](
-    f"{PREFIX}.sched.nodes", NodeMessage, Ack, SCHEDULER_QUEUE
+    f"{SCHED_NODES_PREFIX}.>", NodeMessage, Ack, SCHEDULER_QUEUE
+)
+# Read-only questions (status, resources): what the dashboard and the operator may ask.
+SCHED_STATUS: Final = Endpoint[StatusRequest, StatusAnswer](
+    f"{PREFIX}.sched.status", StatusRequest, StatusAnswer, SCHEDULER_QUEUE
 )
 # The scheduler's load, every tick, to every gateway (no queue group): admission control.
 SCHED_PRESSURE: Final = Endpoint[Pressure, None](f"{PREFIX}.sched.pressure", Pressure, None)
@@ -75,6 +86,14 @@ SCHED_PRESSURE: Final = Endpoint[Pressure, None](f"{PREFIX}.sched.pressure", Pre
 SPANS: Final = Endpoint[SpanBatch, None](f"{PREFIX}.spans", SpanBatch, None, "dashboard")
 # A command (Reconcile) to every node agent: no queue group, so each agent gets it.
 NODES_BROADCAST: Final = Endpoint[NodeCommand, Ack](f"{PREFIX}.nodes.all", NodeCommand, Ack)
+
+
+def sched_node(node_id: str) -> Endpoint[NodeMessage, Ack]:
+    """Where node agent ``node_id`` sends its reports, completions and goodbyes: a subject of
+    its own, so the broker lets a node's credential speak for that node alone."""
+    return Endpoint[NodeMessage, Ack](
+        f"{SCHED_NODES_PREFIX}.{node_id}", NodeMessage, Ack, SCHEDULER_QUEUE
+    )
 
 
 def prefetch(node_id: str) -> Endpoint[Prefetch, Ack]:

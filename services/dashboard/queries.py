@@ -228,9 +228,9 @@ class Live(msgspec.Struct, kw_only=True):
 async def live(pool: asyncpg.Pool, bus: BaseBus) -> Live:
     out = Live()
     try:
-        st = await bus.request(subjects.SCHED_ACTIONS, StatusQuery(), timeout=2.0)
+        st = await bus.request(subjects.SCHED_STATUS, StatusQuery(), timeout=2.0)
         out.status = st if isinstance(st, SchedulerStatus) else None
-        res = await bus.request(subjects.SCHED_ACTIONS, ResourcesQuery(), timeout=2.0)
+        res = await bus.request(subjects.SCHED_STATUS, ResourcesQuery(), timeout=2.0)
         out.resources = res if isinstance(res, Resources) else None
     except TangramError as exc:
         out.errors.append(f"scheduler: {exc}")

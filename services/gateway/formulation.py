@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from services.gateway.quota_formulation import formulate_quota, quota_of
+from tangram import subjects
 from tangram.contract import (
     ActionSpec,
     Demand,
@@ -58,6 +59,24 @@ def check_exec(action: ExecAction) -> None:
             raise InvalidRequest(f"invalid environment variable name or value: {name!r}")
 
 
+def check_reply_subject(subject: str) -> None:
+    """A client names where its results are pushed, and the scheduler publishes there with
+    the rights of the mesh: so only a literal subject under the results prefix, where the
+    broker lets a client read its own (``tangram.v1.results.<id>[.<more>]``, see
+    ``tangram.auth``), never a subject the services listen on. Empty: no push wanted."""
+    if not subject:
+        return
+    prefix = subjects.RESULTS_PREFIX.split(".")
+    tokens = subject.split(".")
+    under = tokens[: len(prefix)] == prefix and len(tokens) > len(prefix)
+    if not under or not all(tokens) or "*" in subject or ">" in subject:
+        raise InvalidRequest(
+            f"reply_subject {subject!r} is refused: results are pushed only to a subject"
+            f" {subjects.RESULTS_PREFIX}.<id>[.<more>] (no wildcards, no empty tokens)",
+            hint="leave reply_subject unset, or use the one the client library names",
+        )
+
+
 def formulate(
     spec: ActionSpec,
     *,
@@ -69,6 +88,7 @@ def formulate(
 ) -> UnifiedAction:
     """Validate ``spec`` and build its unified action (cost vector, key resource); http and
     lease actions against the declared ``quotas``."""
+    check_reply_subject(reply_subject)
     if quota_of(spec) is not None:
         return formulate_quota(
             spec, quotas or {}, now=now, reply_subject=reply_subject, traceparent=traceparent

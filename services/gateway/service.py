@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import asyncpg
@@ -53,7 +53,7 @@ from tangram.contract import (
     UnifiedAction,
     batches,
 )
-from tangram.errors import Busy, InvalidRequest, NotFound, TangramError
+from tangram.errors import Busy, InvalidRequest, NotFound, TangramError, Unavailable
 from tangram.runtime import Probe, Service
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,10 @@ class Gateway(Service):
         return {"bus": ops_http.bus_probe(self.bus), "postgres": ops_http.pool_probe(self.pool)}
 
     async def handle(self, req: GatewayRequest, msg: Msg) -> Reply:
+        with postgres_away():
+            return await self._answer(req)
+
+    async def _answer(self, req: GatewayRequest) -> Reply:
         match req:
             case Submit():
                 return await self.submit(req)
@@ -151,7 +155,8 @@ class Gateway(Service):
     async def _submit_one(self, req: Submit) -> Accepted | ActionResult | ErrorReply:
         """One item of a batch: its answer, or why it alone was refused."""
         try:
-            return await self.submit(req)
+            with postgres_away():
+                return await self.submit(req)
         except TangramError as exc:
             return exc.to_reply()
 
@@ -210,6 +215,21 @@ class Gateway(Service):
     async def forward(self, cmd: CloseEnvCmd | CancelCmd) -> Done:
         await self.bus.request(subjects.SCHED_ACTIONS, cmd, timeout=SCHEDULER_TIMEOUT_S)
         return Done()
+
+
+@contextlib.contextmanager
+def postgres_away() -> Iterator[None]:
+    """Postgres unreachable or restarting (a read that met the outage, not a write of the
+    group commit, which says so itself) is ``unavailable``, which clients retry; not an
+    internal error, which they would take as final."""
+    try:
+        yield
+    except TangramError:
+        raise
+    except Exception as exc:
+        if not db.transient(exc):
+            raise
+        raise Unavailable(f"the mesh's database is unavailable ({exc!r}); retry") from exc
 
 
 async def build(

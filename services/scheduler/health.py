@@ -25,14 +25,18 @@ import msgspec
 from services.scheduler.core.effects import Effect
 from services.scheduler.core.quota import QuotaCore
 from services.scheduler.core.scheduler import SchedulerCore
-from tangram import subjects, telemetry
+from tangram import db, subjects, telemetry
 from tangram.bus import BaseBus, Bus
 from tangram.contract import Ack, NodeReport, NodeRow, Ping, SchedulerStatus
 from tangram.errors import Fenced, TangramError
 from tangram.health import Changed, Detector, Failed, HealthConfig, Probe
 from tangram.health import Effect as HealthEffect
+from tangram.metrics import health_transition
 
 log = logging.getLogger(__name__)
+
+RECORDS_HELD = 10_000  # transitions kept for Postgres while it is away
+WRITE_TIMEOUT_S = 5.0
 
 Apply = Callable[[list[Effect]], Awaitable[None]]
 
@@ -62,6 +66,7 @@ class Monitor:
     detector: Detector = field(init=False)
     _probes: set[asyncio.Task[None]] = field(init=False, default_factory=set)
     _records: list[Changed] = field(init=False, default_factory=list)
+    _writing: asyncio.Task[None] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.detector = Detector(self.cfg)
@@ -105,9 +110,11 @@ class Monitor:
                 failed = self._handle(self.detector.tick(now))
                 for f in failed:
                     await self.apply(self._recover(f, now))
-                await self._write()
+                if self._records and (self._writing is None or self._writing.done()):
+                    # off the judging loop: a stalled Postgres must not stall detection
+                    self._writing = asyncio.get_running_loop().create_task(self._write())
         finally:
-            for task in self._probes:
+            for task in (*self._probes, *([self._writing] if self._writing else [])):
                 task.cancel()
 
     def _recover(self, f: Failed, now: float) -> list[Effect]:
@@ -176,7 +183,9 @@ class Monitor:
                     "tangram.health.why": c.why,
                 }
             )
+        health_transition(c.role, str(c.old), str(c.new))
         self._records.append(c)
+        del self._records[:-RECORDS_HELD]  # Postgres away for long: the oldest go (logged)
 
     async def _write(self) -> None:
         """Record the transitions so far (kept for the next round if Postgres is away)."""
@@ -194,11 +203,13 @@ class Monitor:
             [c.why for c in batch],
         ]
         try:
-            async with self.pool.acquire() as conn:
-                await conn.execute(_INSERT, *cols)
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-            log.info("health transitions not recorded yet: %s", exc)
-            self._records = batch + self._records
+            async with asyncio.timeout(WRITE_TIMEOUT_S):
+                async with self.pool.acquire() as conn:
+                    await conn.execute(_INSERT, *cols)
+        except Exception as exc:  # a task of its own: nothing may escape unlogged
+            level = logging.INFO if db.transient(exc) else logging.WARNING
+            log.log(level, "health transitions not recorded yet: %r", exc)
+            self._records = (batch + self._records)[-RECORDS_HELD:]
 
     # ------------------------------------------------------------------ status
 

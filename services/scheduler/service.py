@@ -37,6 +37,7 @@ from services.scheduler.core.effects import (
     PrepareOnNode,
     ServiceSettled,
     StartOnNode,
+    verdict,
 )
 from services.scheduler.core.quota import QuotaCore
 from services.scheduler.core.quota_books import ask_of
@@ -46,7 +47,7 @@ from services.scheduler.core.validate import problem
 from services.scheduler.health import Monitor
 from services.scheduler.leadership import Lead
 from services.scheduler.policies.spec import make_policy
-from tangram import db, metrics, ops_http, subjects
+from tangram import auth, db, metrics, ops_http, subjects
 from tangram.bus import BaseBus, open_bus
 from tangram.config import MeshConfig
 from tangram.contract import (
@@ -61,6 +62,7 @@ from tangram.contract import (
     Enqueue,
     EnqueueMany,
     EnvExpired,
+    ErrorKind,
     Kill,
     LeaseEnd,
     NodeLeaving,
@@ -133,6 +135,8 @@ class Scheduler(Service):
         self.prefetch = gpu_shell.PrefetchHints()
         self._waits_logged: dict[str, str] = {}  # the placement waits already logged
         self._quota_wake: asyncio.TimerHandle | None = None  # see _arm_quota_wake
+        self._refused: list[tuple[UnifiedAction, str]] = []  # to end invalid_request
+        self._judging: asyncio.Task[None] | None = None  # the health monitor's loop
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -150,8 +154,10 @@ class Scheduler(Service):
         for writer, name in ((self.starts, "started-writer"), (self.records, "record-writer")):
             writer.start()
             self.spawn(writer.join(), name)  # a writer that stops on an error stops the service
+        await self._end_refused()  # rows rebuilt that the core could not read
         self.bus.serve(subjects.SCHED_ACTIONS, self.on_action, max_in_flight=100_000)
         self.bus.serve(subjects.SCHED_NODES, self.on_node, max_in_flight=100_000)
+        self.bus.serve(subjects.SCHED_STATUS, self.on_status, max_in_flight=1024)
         await self.bus.start()
         self.core.hold_until(self.clock() + self.cfg.reconcile_grace_s)
         await self.bus.publish(subjects.NODES_BROADCAST, Reconcile(epoch=self.epoch))
@@ -159,11 +165,16 @@ class Scheduler(Service):
         self.spawn(self._decide_loop(), "decide")
         self.spawn(self._tick_loop(), "tick")
         self.spawn(self._sweep_loop(), "sweep")
-        self.spawn(self.health.run(), "health")
+        self._judging = self.spawn(self.health.run(), "health")
         log.info("scheduler epoch %d up, policy %s", self.epoch, self.core.policy.name)
 
     async def on_stop(self, grace_s: float) -> None:
-        """Stop intake and flush the writers; ``build``'s stack then closes the bus and pool."""
+        """Stop judging agents and intake, flush the writers; ``build``'s stack then closes the
+        bus and pool. Judging stops first: the agents' reports stop coming with intake, and
+        their silence would have live agents failed (health_events: fenced for the next leader)."""
+        if self._judging is not None:
+            self._judging.cancel()
+            await asyncio.wait([self._judging])
         await self.bus.stop_serving(grace_s)
         await asyncio.gather(*(w.close(grace_s) for w in (self.starts, self.records)))
         await asyncio.gather(self._start_conn.release(), self._record_conn.release())
@@ -183,7 +194,9 @@ class Scheduler(Service):
         now = self.clock()
         await quota_store.rebuild(self.pool, self.quotas, now)
         for row in await store.load_open(self.pool):
-            if ask_of(row.action) is not None:
+            if (why := problem(row.action)) is not None:  # ended once the writers run
+                self._refused.append((row.action, why))
+            elif ask_of(row.action) is not None:
                 self._restore_quota(row, now)
             elif row.status == "running" and row.node_id and row.incarnation:
                 self.core.restore_running(row.action, row.node_id, row.incarnation, row.cores, now)
@@ -199,14 +212,26 @@ class Scheduler(Service):
 
     def _enqueue(self, action: UnifiedAction, now: float) -> str | None:
         """An http or lease action goes to the quota core, any other to the node core; one
-        the core could not read is refused (see core.validate): why, or None."""
+        the core could not read is refused (see core.validate): why, or None. A refused one
+        is durable already (the gateway committed it): it is ended ``invalid_request`` at the
+        next :meth:`_end_refused`, so it reaches a terminal state like any other."""
         why = problem(action)
         if why is not None:
             log.warning("refused an enqueued action: %s", why)
+            self._refused.append((action, why))
             return why
         core = self.quotas if ask_of(action) is not None else self.core
         core.enqueue(action, now)
         return None
+
+    async def _end_refused(self) -> None:
+        """End the actions refused since the last call ``invalid_request`` (recorded, and
+        pushed to their clients, like any finished action)."""
+        refused, self._refused = self._refused, []
+        now = self.clock()
+        for action, why in refused:
+            result = verdict(action, ErrorKind.INVALID_REQUEST, why, now=now)
+            await self.apply(self.core.finish(action, result))
 
     def _writer(self, name: str, conn: db.Held) -> db.GroupCommit[store.Record, None]:
         """A durable writer on its own held connection (started with the service)."""
@@ -230,6 +255,7 @@ class Scheduler(Service):
                 refused = [why for a in actions if (why := self._enqueue(a, now)) is not None]
                 self._dirty.set()
                 if refused:
+                    await self._end_refused()
                     raise InvalidRequest("; ".join(refused[:3]))
                 return None
             case CloseEnvCmd(trajectory_id=tid):
@@ -240,22 +266,25 @@ class Scheduler(Service):
                 owner = self.quotas if self.quotas.owns(aid) else self.core
                 await self.apply(owner.cancel(aid, now))
                 await self._recorded([aid])
-            case StatusQuery():
-                return self.health.annotate(
-                    status_reply(self.core, self.epoch, now, self.quotas), now
-                )
+            case StatusQuery() | ResourcesQuery():
+                return await self.on_status(req, msg)
             case ServiceCmd(spec=spec):
                 return await self._register(spec, now)
-            case ResourcesQuery():
-                return Resources(
-                    services=self.core.service_states(), quotas=self.quotas.states(now)
-                )
             case QuotaCmd(spec=spec):
                 self.quotas.set_quota(spec, now)
             case LeaseEnd():
                 self.quotas.lease_end(req, now)
         self._dirty.set()
         return Ack()
+
+    async def on_status(
+        self, req: StatusQuery | ResourcesQuery, msg: Msg
+    ) -> SchedulerStatus | Resources:
+        """The read-only questions (the dashboard's, ``tangram status``, readiness)."""
+        now = self.clock()
+        if isinstance(req, StatusQuery):
+            return self.health.annotate(status_reply(self.core, self.epoch, now, self.quotas), now)
+        return Resources(services=self.core.service_states(), quotas=self.quotas.states(now))
 
     async def _register(self, spec: ServiceSpec, now: float) -> Services:
         """Have every GPU node prepare ``spec``; answer when each has reported it (bounded)."""
@@ -265,6 +294,7 @@ class Scheduler(Service):
         return await answer
 
     async def on_node(self, req: NodeMessage, msg: Msg) -> Ack:
+        auth.check_sender(req, msg.subject)  # one node not for another
         now = self.clock()
         match req:
             case Completion():
@@ -487,6 +517,7 @@ class Scheduler(Service):
             fresh = [r for r in rows if not self._known(r.action.spec.action_id)]
             for row in fresh:
                 self._enqueue(row.action, self.clock())
+            await self._end_refused()
             if fresh:
                 log.info("sweep picked up %d queued actions", len(fresh))
                 self._dirty.set()

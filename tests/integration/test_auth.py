@@ -21,18 +21,30 @@ from nats.aio.client import Client as NATS
 from services.cpu_manager.process import users
 from services.gateway.formulation import Limits, formulate
 from tangram import auth, subjects
-from tangram.auth import CLIENT, GATEWAY, NODE, SCHEDULER, Keyring, Principal
+from tangram.auth import CLIENT, DASHBOARD, GATEWAY, NODE, OPS, SCHEDULER, Keyring, Principal
 from tangram.bus import Bus
 from tangram.client import Client
-from tangram.contract import Completion, Dispatch, Enqueue, GetResult, Outcome, encode
+from tangram.contract import (
+    CancelCmd,
+    Completion,
+    Dispatch,
+    Enqueue,
+    GetResult,
+    Inventory,
+    NodeReport,
+    Outcome,
+    StatusQuery,
+    encode,
+)
 from tangram.contract.agent import Reconcile
 from tangram.embedded import EmbeddedNats
-from tangram.errors import NotFound, Unavailable
+from tangram.errors import InvalidRequest, NotFound, Unavailable
 from tests.support import eventually, exec_spec, running_mesh
 
 ALICE, BOB = Principal(CLIENT, "alice"), Principal(CLIENT, "bob")
 NODE1, NODE2 = Principal(NODE, "n1"), Principal(NODE, "n2")
-EVERYONE = [ALICE, BOB, Principal(SCHEDULER), Principal(GATEWAY), NODE1, NODE2]
+DASH, OPERATOR = Principal(DASHBOARD), Principal(OPS)
+EVERYONE = [ALICE, BOB, Principal(SCHEDULER), Principal(GATEWAY), NODE1, NODE2, DASH, OPERATOR]
 
 
 @dataclass
@@ -97,9 +109,40 @@ async def test_a_connection_without_credentials_is_refused_at_once(secured: Secu
 FORGERIES = {
     "dispatch to a node": (subjects.node("n1").subject, NODE1, Principal(SCHEDULER), ALICE),
     "completion to the scheduler": (
-        subjects.SCHED_NODES.subject,
+        subjects.sched_node("n1").subject,
         Principal(SCHEDULER),
         NODE1,
+        ALICE,
+    ),
+    # the broker refuses it (the scheduler refuses one for n2 on n1's own subject: below)
+    "report from a node for another": (
+        subjects.sched_node("n2").subject,
+        Principal(SCHEDULER),
+        NODE2,
+        NODE1,
+    ),
+    "enqueue by the dashboard": (
+        subjects.SCHED_ACTIONS.subject,
+        Principal(SCHEDULER),
+        Principal(GATEWAY),
+        DASH,
+    ),
+    "cancel by the dashboard": (
+        subjects.SCHED_ACTIONS.subject,
+        Principal(SCHEDULER),
+        Principal(GATEWAY),
+        DASH,
+    ),
+    "enqueue by the operator": (
+        subjects.SCHED_ACTIONS.subject,
+        Principal(SCHEDULER),
+        Principal(GATEWAY),
+        OPERATOR,
+    ),
+    "status asked by a client": (
+        subjects.SCHED_STATUS.subject,
+        Principal(SCHEDULER),
+        DASH,
         ALICE,
     ),
     "enqueue past the gateway": (
@@ -138,8 +181,14 @@ def forged_message(kind: str, uid: str) -> bytes:
         return encode(
             Completion(node_id="n1", incarnation="x", action_id=uid, attempt=1, outcome=outcome)
         )
+    if kind.startswith("report"):
+        return encode(NodeReport(node_id="n2", incarnation="x", inventory=Inventory()))
     if kind.startswith("enqueue"):
         return encode(Enqueue(action=action))
+    if kind.startswith("cancel"):
+        return encode(CancelCmd(action_id=uid))
+    if kind.startswith("status"):
+        return encode(StatusQuery())
     if kind.startswith("result"):
         return b"forged result"
     return encode(Reconcile(epoch=2**62))
@@ -248,8 +297,23 @@ async def test_a_mesh_with_auth_serves_a_client_that_found_it(
             assert client.results_subject.startswith(subjects.results("default") + ".")
             res = await client.exec("id -u", trajectory_id=f"{uid}-t", job_id=uid)
         assert res.exit_code == 0, res
+        await a_node_speaks_for_itself_alone(mesh.nats_url, open_state / auth.AUTH_DIR, uid)
         run_as = int(res.stdout.strip())
         expect_own_uid = os.geteuid() == 0
         assert (run_as >= users.UID_BASE) if expect_own_uid else run_as == os.geteuid()
     broker_log = (open_state / "nats" / "nats.log").read_text()
     assert "Violation" not in broker_log  # every service's own traffic fits its grant
+
+
+async def a_node_speaks_for_itself_alone(url: str, keys: Path, uid: str) -> None:
+    """On its own subject (the broker lets it), a node's report for another node is refused
+    by the scheduler, naming the rule."""
+    creds = await asyncio.to_thread(lambda: next(keys.glob("node-*.json")))
+    me = auth.load_creds(creds).id
+    bus = await Bus.connect(url, "forger", creds=creds, deadline_s=5)
+    try:
+        forged = NodeReport(node_id=f"{me}-other", incarnation=uid, inventory=Inventory())
+        with pytest.raises(InvalidRequest, match="sends for itself alone"):
+            await bus.request(subjects.sched_node(me), forged, timeout=5)
+    finally:
+        await bus.close()

@@ -42,6 +42,12 @@ def submit_payload(**spec: object) -> bytes:
     return pack({"type": "submit", "spec": base})
 
 
+def submit_reply_to(subject: str) -> bytes:
+    """A valid submit whose results would be pushed onto ``subject``."""
+    payload = msgspec.msgpack.decode(submit_payload(action_id="bad-r"))
+    return pack({**payload, "reply_subject": subject})
+
+
 CASES = [
     (b"\xc1\xff not msgpack", "malformed"),
     (pack([1, 2, 3]), "Expected `object`"),
@@ -63,6 +69,9 @@ CASES = [
     (submit_payload(trajectory_id="has space"), "trajectory_id"),
     (submit_payload(action_id=""), "action_id"),
     (pack({"type": "get_result", "action_id": 5}), "action_id"),
+    (submit_reply_to(subjects.SCHED_ACTIONS.subject), "tangram.v1.results.<id>"),
+    (submit_reply_to(subjects.node("node0").subject), "tangram.v1.results.<id>"),
+    (submit_reply_to("tangram.v1.results.>"), "no wildcards"),
     (b"\x00" * (600 * 1024), "exceeds"),
 ]
 
@@ -100,7 +109,7 @@ async def test_scheduler_and_node_subjects_reject_garbage(mesh: Mesh, client: Cl
     nc = client.bus.nc
     for subject in (
         subjects.SCHED_ACTIONS.subject,
-        subjects.SCHED_NODES.subject,
+        subjects.sched_node("node0").subject,
         subjects.node("node0").subject,
     ):
         reply = await nc.request(subject, b"\x92\x01", timeout=10)
@@ -115,16 +124,16 @@ async def test_scheduler_and_node_subjects_reject_garbage(mesh: Mesh, client: Cl
             "result": {},
         }
     )
-    reply = await nc.request(subjects.SCHED_NODES.subject, bad_completion, timeout=10)
+    reply = await nc.request(subjects.sched_node("node0").subject, bad_completion, timeout=10)
     assert "attempt" in codec.decode(reply.data, NodeMessage | ErrorReply).message
     bad_goodbye = pack(
         {"type": "node_leaving", "node_id": "node0", "incarnation": "x", "started": [1, 2]}
     )
-    reply = await nc.request(subjects.SCHED_NODES.subject, bad_goodbye, timeout=10)
+    reply = await nc.request(subjects.sched_node("node0").subject, bad_goodbye, timeout=10)
     assert "started" in codec.decode(reply.data, NodeMessage | ErrorReply).message
     # batches: one bad item names itself and nothing of the batch is taken
     bad_batch = pack({"type": "completions", "items": [{"type": "completion", "node_id": 3}]})
-    reply = await nc.request(subjects.SCHED_NODES.subject, bad_batch, timeout=10)
+    reply = await nc.request(subjects.sched_node("node0").subject, bad_batch, timeout=10)
     assert "items" in codec.decode(reply.data, NodeMessage | ErrorReply).message
     nested = pack({"type": "commands", "epoch": 1, "items": [{"type": "commands", "items": []}]})
     reply = await nc.request(subjects.node("node0").subject, nested, timeout=10)

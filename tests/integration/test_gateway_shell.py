@@ -12,7 +12,7 @@ from nats.aio.msg import Msg
 
 from services.gateway.config import GatewayConfig
 from services.gateway.service import Gateway
-from tangram import subjects
+from tangram import db, subjects
 from tangram.bus import decode_reply
 from tangram.contract import (
     Accepted,
@@ -29,11 +29,12 @@ from tangram.contract import (
     StatusQuery,
     Submit,
 )
+from tangram.embedded import EmbeddedPostgres
 from tangram.errors import InvalidRequest, NotFound, RemoteError
 from tangram.membus import MemoryBroker, MemoryBus
 from tangram.subjects import SchedulerAnswer
 
-from ..support import postgres_pool
+from ..support import eventually, postgres_pool
 
 pytestmark = pytest.mark.slow
 
@@ -121,3 +122,34 @@ async def test_a_missing_scheduler_is_a_retryable_error(pool: asyncpg.Pool, uid:
                 subjects.GATEWAY, Cancel(action_id=f"{uid}-x"), timeout=10
             )
     assert (err.value.code, err.value.retryable) == ("unavailable", True)
+
+
+async def test_a_query_while_postgres_is_down_is_a_retryable_error(tmp_path, uid: str):
+    """Not ``internal`` (final to a client): ``unavailable``, which the client retries until
+    Postgres is back (a chaos run lost results this way while Postgres restarted)."""
+    pg = await asyncio.to_thread(EmbeddedPostgres(tmp_path / "pg", fsync=False).start)
+    try:
+        pool = await db.connect(pg.dsn, max_size=2)
+        await db.migrate(pool)
+        broker = MemoryBroker()
+        client = broker.connect("client")
+
+        async def refused() -> RemoteError | None:
+            try:
+                await client.request(subjects.GATEWAY, GetResult(action_id=f"{uid}-x"), timeout=10)
+            except NotFound:  # a backend may answer once more before it sees its postmaster gone
+                return None
+            except RemoteError as exc:
+                return exc
+            return None
+
+        try:
+            async with Gateway(GatewayConfig(), broker.connect("gateway"), pool):
+                await asyncio.to_thread(pg.kill)
+                err = await eventually(refused, what="the gateway to meet the outage")
+        finally:
+            pool.terminate()
+    finally:
+        await asyncio.to_thread(pg.stop)
+    assert (err.code, err.retryable) == ("unavailable", True)
+    assert "database is unavailable" in err.message

@@ -21,7 +21,17 @@ import pytest
 
 from tangram import ActionResult, subjects
 from tangram.client import Client
-from tangram.contract import ErrorReply, Kill, SchedulerStatus, codec, encode
+from tangram.contract import (
+    ActionSpec,
+    ErrorKind,
+    ErrorReply,
+    ExecAction,
+    Kill,
+    SchedulerStatus,
+    UnifiedAction,
+    codec,
+    encode,
+)
 from tangram.launcher import Mesh
 
 from ..support import eventually
@@ -125,12 +135,37 @@ async def test_bad_internal_messages_are_refused_and_the_mesh_serves_on(mesh: Me
         kill = encode(Kill(action_id="nothing", epoch=2**62))
         await nc.request(subjects.node("node0").subject, kill, timeout=10)
         for junk in (b"\xc1", pack({"type": "ping", "epoch": "x"}), pack({"type": "node_report"})):
-            await nc.request(subjects.SCHED_NODES.subject, junk, timeout=10)
+            await nc.request(subjects.sched_node("node0").subject, junk, timeout=10)
             await nc.request(subjects.node("node0").subject, junk, timeout=10)
         ok = await client.exec("echo alive", trajectory_id="after", job_id="j", wait_s=30)
         assert ok.ok
         assert ok.stdout.strip() == "alive"
         assert "node0:healthy" in await health(client, mesh)
+
+
+async def test_a_durable_action_the_scheduler_cannot_read_ends_invalid_request(mesh: Mesh):
+    """A row committed by a gateway of another version (or a bug) that breaks the scheduler's
+    rules is not left queued for ever: the sweep ends it ``invalid_request``."""
+    spec = ActionSpec(
+        action_id="unreadable-1", job_id="j", trajectory_id="t", action=ExecAction(command="true")
+    )
+    bad = UnifiedAction(spec=spec, demands=(), key_resource="cpu", env_memory_mb=1, submitted_at=0)
+    conn = await asyncpg.connect(mesh.postgres_dsn)
+    try:
+        await conn.execute(
+            "INSERT INTO actions (action_id, job_id, trajectory_id, kind, status, spec,"
+            " submitted_at) VALUES ($1, 'j', 't', 'exec', 'queued', $2, $3)",
+            spec.action_id,
+            encode(bad),
+            time.time() - 60,
+        )
+    finally:
+        await conn.close()
+    async with Client.connect(mesh.nats_url) as client:
+        res = await client.result(spec.action_id, timeout=30)  # swept every 2 s
+    assert res.error is not None
+    assert res.error.kind is ErrorKind.INVALID_REQUEST
+    assert "no demands" in res.error.message
 
 
 async def test_a_pause_past_the_suspect_bound_runs_nothing_twice_and_loses_nothing(

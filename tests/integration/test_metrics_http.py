@@ -110,7 +110,7 @@ async def test_act_histograms_carry_the_trace_id_as_exemplar(
     trace_id = uuid.uuid4().hex
     traceparent = f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"
     async with Client.connect(mesh.nats_url) as client:
-        req = Submit(spec=exec_spec(uid, "traced", "true"), reply_subject=f"_r.{uid}")
+        req = Submit(spec=exec_spec(uid, "traced", "true"), reply_subject=subjects.results(uid))
         raw = await client.bus.nc.request(
             subjects.GATEWAY.subject, encode(req), timeout=10, headers={"traceparent": traceparent}
         )

@@ -88,7 +88,9 @@ class FakeQuotaAgent:
     async def _heartbeat(self) -> None:
         while True:
             with contextlib.suppress(TangramError):  # a scheduler restarting: report again
-                await self.bus.request(subjects.SCHED_NODES, self.report(), timeout=2.0)
+                await self.bus.request(
+                    subjects.sched_node(self.node_id), self.report(), timeout=2.0
+                )
             await asyncio.sleep(0.3)
 
     async def on_command(self, cmd: NodeCommand, msg: Msg) -> Ack | None:
@@ -126,7 +128,7 @@ class FakeQuotaAgent:
             attempt=cmd.action.attempt,
             outcome=outcome,
         )
-        await self.bus.request(subjects.SCHED_NODES, done, timeout=5.0)
+        await self.bus.request(subjects.sched_node(self.node_id), done, timeout=5.0)
 
 
 @pytest.fixture(scope="module")

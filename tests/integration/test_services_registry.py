@@ -78,7 +78,7 @@ class FakeGpuAgent:
         )
 
     async def send_report(self) -> None:
-        await self.bus.request(subjects.SCHED_NODES, self.report())
+        await self.bus.request(subjects.sched_node("g0"), self.report())
 
     async def on_command(self, cmd: NodeCommand, msg: Msg) -> Ack:
         for one in commands_in(cmd):
@@ -113,7 +113,7 @@ class FakeGpuAgent:
             attempt=d.action.attempt,
             outcome=Outcome(output=out, started_at=1.0, finished_at=1.5, restore_s=0.1),
         )
-        await self.bus.request(subjects.SCHED_NODES, done)
+        await self.bus.request(subjects.sched_node("g0"), done)
 
     async def heartbeat(self) -> None:
         while True:

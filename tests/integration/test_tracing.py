@@ -99,10 +99,12 @@ async def test_one_action_is_one_trace_across_every_hop(traced_mesh, uid: str):
     await asyncio.to_thread(provider.shutdown)  # type: ignore[attr-defined]  # later tests export nothing
     wanted = {"tangram-gateway", "tangram-scheduler", "tangram-cpu_manager"}
 
-    def whole_trace() -> tuple[set[str], set[str]] | None:
+    def whole_trace() -> tuple[set[str], set[str]]:
         services, names = _trace(collector, f"{uid}-traced")
-        done = wanted <= services and any("Completion" in n for n in names)
-        return (services, names) if done else None
+        seen = {(svc, name) for svc, _, name, _ in collector.spans}
+        assert wanted <= services, f"services {services}, names {names}; all spans: {seen}"
+        assert any("Completion" in n for n in names), names
+        return services, names
 
     # Each service exports in its own batches: wait for the whole trace.
     services, names = await eventually(whole_trace, what="every service's spans of the action")

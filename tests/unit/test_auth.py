@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,27 @@ import pytest
 from services.gpu_manager.config import GpuManagerConfig
 from services.quota_manager.config import QuotaManagerConfig
 from tangram import auth, subjects
-from tangram.auth import CLIENT, GATEWAY, NODE, OPS, ROUTES, SCHEDULER, Principal, grant
+from tangram.auth import (
+    CLIENT,
+    DASHBOARD,
+    GATEWAY,
+    NODE,
+    OPS,
+    ROUTES,
+    SCHEDULER,
+    Principal,
+    grant,
+)
+from tangram.contract import (
+    Completion,
+    Completions,
+    EnvExpired,
+    Inventory,
+    NodeLeaving,
+    NodeMessage,
+    NodeReport,
+    Outcome,
+)
 from tangram.errors import InvalidRequest
 from tangram.subjects import Endpoint
 
@@ -20,6 +41,7 @@ from tangram.subjects import Endpoint
 SUBJECT_MAKERS = {
     "node": lambda f: f("n1").subject,
     "prefetch": lambda f: f("n1").subject,
+    "sched_node": lambda f: f("n1").subject,
     "results": lambda f: f("alice") + ".c1",
     "result_push": lambda f: f(subjects.results("alice") + ".c1").subject,
 }
@@ -67,12 +89,51 @@ def test_only_the_scheduler_commands_nodes() -> None:
     assert not any(matches(p, "tangram.v1.node.n2") for p in node.publish)
 
 
-def test_roles_that_are_not_the_scheduler_never_enqueue_but_through_the_gateway() -> None:
-    for role in (CLIENT, NODE):
-        who = Principal(role, "x")
+def test_only_the_gateway_changes_the_schedulers_books() -> None:
+    for who in (Principal(CLIENT, "x"), Principal(NODE, "x"), Principal(OPS), Principal(DASHBOARD)):
         assert not any(matches(p, subjects.SCHED_ACTIONS.subject) for p in grant(who).publish)
-    assert any(matches(p, subjects.SCHED_ACTIONS.subject) for p in grant(Principal(OPS)).publish)
+    assert subjects.SCHED_ACTIONS.subject in grant(Principal(GATEWAY)).publish
     assert grant(Principal(GATEWAY)).responds
+    for who in (Principal(OPS), Principal(DASHBOARD), Principal(GATEWAY)):  # read-only asks
+        assert subjects.SCHED_STATUS.subject in grant(who).publish
+    assert subjects.SCHED_STATUS.subject in grant(Principal(SCHEDULER)).subscribe
+
+
+def test_a_node_sends_to_the_scheduler_for_itself_alone() -> None:
+    node = grant(Principal(NODE, "n1"))
+    assert subjects.sched_node("n1").subject in node.publish
+    assert not any(matches(p, subjects.sched_node("n2").subject) for p in node.publish)
+    assert subjects.SCHED_NODES.subject in grant(Principal(SCHEDULER)).subscribe
+
+
+def _outcome() -> Outcome:
+    return Outcome(exit_code=0)
+
+
+def _done(node_id: str) -> Completion:
+    return Completion(
+        node_id=node_id, incarnation="i", action_id="a", attempt=1, outcome=_outcome()
+    )
+
+
+NODE_MESSAGES: dict[str, Callable[[str], NodeMessage]] = {
+    "report": lambda n: NodeReport(node_id=n, incarnation="i", inventory=Inventory(kind="cpu")),
+    "completion": _done,
+    "batch": lambda n: Completions(items=(_done("n1"), _done(n))),
+    "env_expired": lambda n: EnvExpired(node_id=n, incarnation="i", trajectory_id="t"),
+    "leaving": lambda n: NodeLeaving(node_id=n, incarnation="i"),
+}
+
+
+@pytest.mark.parametrize("kind", list(NODE_MESSAGES))
+def test_the_scheduler_refuses_a_message_for_another_node(kind: str) -> None:
+    make = NODE_MESSAGES[kind]
+    auth.check_sender(make("n1"), subjects.sched_node("n1").subject)  # its own: taken
+    for subject in (subjects.sched_node("n2").subject, "tangram.v1.elsewhere"):
+        with pytest.raises(InvalidRequest, match="sends for itself alone"):
+            auth.check_sender(make("n1"), subject)
+    with pytest.raises(InvalidRequest, match="for node 'n2'"):  # any item of a batch too
+        auth.check_sender(make("n2"), subjects.sched_node("n1").subject)
 
 
 def test_principals_are_checked() -> None:

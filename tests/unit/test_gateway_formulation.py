@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.formulation import CPU, Limits, formulate
+from services.gateway.formulation import CPU, Limits, check_reply_subject, formulate
 from tangram.contract import ActionSpec, ExecAction
 from tangram.errors import InvalidRequest
+
+RESULTS = "tangram.v1.results.c1"
 
 
 def spec(command: str | list[str] = "true", **kw: object) -> ActionSpec:
@@ -25,14 +27,14 @@ def test_cost_vector_ranges_and_key_resource():
         spec(cpus=[2, 5], memory_mb=300),
         now=7.0,
         limits=Limits(),
-        reply_subject="r",
+        reply_subject=RESULTS,
         traceparent="tp",
     )
     assert act.key_resource == CPU
     assert act.demands[0].choices == (2, 3, 4, 5)
     assert (act.demands[0].min, act.demands[0].max) == (2, 5)
     assert act.env_memory_mb == 300
-    assert (act.submitted_at, act.reply_subject, act.traceparent) == (7.0, "r", "tp")
+    assert (act.submitted_at, act.reply_subject, act.traceparent) == (7.0, RESULTS, "tp")
     assert formulate(spec(cpus=3), now=0, limits=Limits()).demands[0].choices == (3,)
 
 
@@ -54,3 +56,34 @@ def test_cost_vector_ranges_and_key_resource():
 def test_invalid_specs_name_the_problem(kw: dict, message: str):
     with pytest.raises(InvalidRequest, match=message):
         formulate(spec(**kw), now=0, limits=Limits(max_cpus=8, max_memory_mb=4096))
+
+
+@pytest.mark.parametrize(
+    "subject",
+    ["", "tangram.v1.results.c1", "tangram.v1.results.client-default.abc123"],
+)
+def test_a_reply_subject_under_the_results_prefix_is_taken(subject: str):
+    assert formulate(spec(), now=0, limits=Limits(), reply_subject=subject).reply_subject == subject
+
+
+@pytest.mark.parametrize(
+    "subject",
+    [
+        "tangram.v1.sched.actions",  # the scheduler's own intake
+        "tangram.v1.node.node0",  # a node agent's commands
+        "tangram.v1.gateway",
+        "_r.x",
+        "_INBOX_gateway.abc",
+        "tangram.v1.results",  # the prefix alone
+        "tangram.v1.resultsX.c1",
+        "tangram.v1.results.>",
+        "tangram.v1.results.*.c1",
+        "tangram.v1.results..c1",
+        "tangram.v1.results.c1.",
+    ],
+)
+def test_a_reply_subject_outside_the_results_prefix_is_refused(subject: str):
+    with pytest.raises(InvalidRequest, match=r"reply_subject .* tangram\.v1\.results\.<id>"):
+        formulate(spec(), now=0, limits=Limits(), reply_subject=subject)
+    with pytest.raises(InvalidRequest):
+        check_reply_subject(subject)

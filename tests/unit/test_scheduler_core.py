@@ -201,6 +201,23 @@ def test_restart_adopts_what_nodes_report_and_redoes_what_they_never_got():
     assert redo.cores == (1,)
 
 
+def test_a_restored_run_is_redone_only_on_a_report_made_under_this_epoch():
+    """A report the agent sent before it knew this scheduler's epoch proves nothing: the
+    replaced scheduler, still alive, may dispatch the action to it after that report."""
+    core = SchedulerCore()
+    core.epoch = 2
+    a = action("a", "t")
+    core.restore_env(EnvPlacement("t", "j", "n0", "i0", 100))
+    core.restore_running(msgspec.structs.replace(a, attempt=1), "n0", "i0", (0,), 0.0)
+    old = msgspec.structs.replace(report(cores=2), seen_epoch=1)
+    core.node_report(old, 0.5)
+    assert "a" in core.running  # not redone on an old report
+    assert "a" not in core.queue
+    core.node_report(msgspec.structs.replace(old, seen_epoch=2), 0.6)
+    assert "a" not in core.running  # this epoch's report: it never ran
+    assert "a" in core.queue
+
+
 def test_restored_actions_whose_node_never_returns_end_as_node_died():
     core = SchedulerCore(cfg=CoreConfig(node_timeout_s=2.0))
     core.restore_running(

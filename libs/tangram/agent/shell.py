@@ -128,6 +128,7 @@ class Agent(Service):
         self.bus = bus
         self.executor = executor
         self.cfg = cfg
+        self.to_scheduler = subjects.sched_node(cfg.node_id)  # this node's own (see auth)
         self.clock = clock
         self.mono = mono  # the start lease's clock (see core)
         # The optional hooks of a GPU node's executor (see Prepares, Reports).
@@ -228,7 +229,7 @@ class Agent(Service):
                         self._own(self._report(self._with_services(m)), self._reports_out)
                 case Publish(msg=m):
                     if self.core.may_send(m):
-                        await self.bus.publish(subjects.SCHED_NODES, m)
+                        await self.bus.publish(self.to_scheduler, m)
                 case Deliver(completion=c):
                     self._coalesce(c)
                 case Announce(msg=m):
@@ -249,7 +250,7 @@ class Agent(Service):
         sent = self.mono()
         try:
             ack = await self.bus.request(
-                subjects.SCHED_NODES, m, timeout=max(1.0, 2 * self.cfg.heartbeat_s)
+                self.to_scheduler, m, timeout=max(1.0, 2 * self.cfg.heartbeat_s)
             )
         except Fenced as exc:
             await self._fenced(exc)
@@ -338,7 +339,7 @@ class Agent(Service):
         ids = ", ".join(c.action_id for c in batch)
         delivered = False
         try:
-            await self.bus.request(subjects.SCHED_NODES, msg, timeout=self.cfg.completion_timeout_s)
+            await self.bus.request(self.to_scheduler, msg, timeout=self.cfg.completion_timeout_s)
             delivered = True
         except InvalidRequest as exc:  # refused: it will be again; say so louder
             if len(batch) > 1:  # one refused completion must not hold back the others
@@ -358,7 +359,7 @@ class Agent(Service):
         if not self.core.may_send(m):
             return
         try:
-            await self.bus.request(subjects.SCHED_NODES, m, timeout=self.cfg.leave_timeout_s)
+            await self.bus.request(self.to_scheduler, m, timeout=self.cfg.leave_timeout_s)
         except TangramError as exc:
             log.info("leaving notice not acknowledged: %s", exc)
 

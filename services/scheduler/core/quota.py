@@ -29,6 +29,7 @@ import math
 
 import msgspec
 
+from services.scheduler.core import unlisted
 from services.scheduler.core.effects import (
     Effect,
     Finish,
@@ -232,27 +233,18 @@ class QuotaCore:
                 call.confirmed = True
             elif call.confirmed or call.incarnation != agent.incarnation:
                 effects += self._lost(call, now, "lost track of the call")
-            elif call.restored or (self._overdue(call, now) and self._read(report, call)):
-                self._redo(call, now)  # it never reached the upstream
-            elif self._overdue(call, now) and call.sent is not None and call.kill_by is None:
-                # unread (lost, or waiting in a paused agent's socket): the same dispatch again;
-                # the agent makes a call once however often its dispatch comes
-                call.sent_at = now
-                effects.append(call.sent)
+            else:
+                verdict_ = unlisted.judge(report, call, now, self.epoch, self.cfg.dispatch_grace_s)
+                if verdict_ is unlisted.Verdict.REDO:
+                    self._redo(call, now)  # it never reached the upstream
+                elif verdict_ is unlisted.Verdict.RESEND and call.sent is not None:
+                    call.sent_at = now
+                    effects.append(call.sent)
         for aid in [a for a, c in self.killed.items() if c.node_id == agent.node_id]:
             if aid not in reported:
                 self._release(self.killed.pop(aid), now)
         agent.in_flight = sum(1 for c in self.calls.values() if c.node_id == agent.node_id)
         return effects
-
-    def _overdue(self, call: Call, now: float) -> bool:
-        sent_at = call.started_at if call.sent_at is None else call.sent_at
-        return now - sent_at > self.cfg.dispatch_grace_s
-
-    def _read(self, report: NodeReport, call: Call) -> bool:
-        """The agent's read mark shows it read this dispatch (unlisted, it refused it)."""
-        sent = call.sent
-        return sent is not None and report.seen_epoch == self.epoch and report.seen >= sent.issued
 
     def node_leaving(self, leaving: NodeLeaving, now: float) -> list[Effect]:
         """A quota agent draining (no new calls) or gone; calls it never started go back to

@@ -24,7 +24,7 @@ from typing import Annotated
 
 import msgspec
 
-from services.scheduler.core import env_tiers, pipeline, views
+from services.scheduler.core import env_tiers, pipeline, unlisted, views
 from services.scheduler.core.books import Dispatched, EnvPlacement, Node
 from services.scheduler.core.capacity import impossible, reclaim_plan
 from services.scheduler.core.effects import (
@@ -306,13 +306,13 @@ class SchedulerCore:
                 del self.running[aid]
                 self._give_back(node, run)
                 effects += self._finish(run.action, self._died(run, now, "lost track of it"))
-            elif run.restored or (self._overdue(run, now) and self._read(report, run)):
-                effects += self._redo(aid, node, now)  # it never ran there
-            elif self._overdue(run, now) and run.sent is not None and run.kill_by is None:
-                # unread: lost on the way, or still waiting in a paused agent's socket; the
-                # agent runs an action once however often its dispatch comes
-                run.sent_at = now
-                effects.append(run.sent)
+            else:
+                verdict_ = unlisted.judge(report, run, now, self.epoch, self.cfg.dispatch_grace_s)
+                if verdict_ is unlisted.Verdict.REDO:
+                    effects += self._redo(aid, node, now)  # it never ran there
+                elif verdict_ is unlisted.Verdict.RESEND and run.sent is not None:
+                    run.sent_at = now
+                    effects.append(run.sent)
         for aid, r in reported.items():
             if aid in self.killed:
                 if r.cores:  # still running there: kill it once more
@@ -321,15 +321,6 @@ class SchedulerCore:
                 effects += self._adopt(node, aid, r.cores, r.attempt, now)
         self._reconcile_killed(node, reported)
         return effects
-
-    def _overdue(self, run: Dispatched, now: float) -> bool:
-        sent_at = run.started_at if run.sent_at is None else run.sent_at
-        return now - sent_at > self.cfg.dispatch_grace_s
-
-    def _read(self, report: NodeReport, run: Dispatched) -> bool:
-        """The node's report shows it has read this dispatch (so, unlisted, it refused it)."""
-        sent = run.sent
-        return sent is not None and report.seen_epoch == self.epoch and report.seen >= sent.issued
 
     def _reconcile_killed(self, node: Node, reported: Mapping[str, RunningAction]) -> None:
         """A killed action the node no longer lists, or lists without cores (only its

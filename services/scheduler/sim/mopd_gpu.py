@@ -96,6 +96,7 @@ class _Node:
     node_id: str
     lru: list[OrderedDict[tuple[str, int], int]]  # per GPU: variant -> MiB on that GPU
     running: dict[str, StartOnNode] = field(default_factory=dict)  # what it reports running
+    incarnation: str = "sim"  # a new one when a failed node comes back (sim/faults.py)
 
     def restore(self, variant: tuple[str, int], gpus: tuple[int, ...], mb: int) -> bool:
         """Make ``variant`` resident on ``gpus``; False when it already was (no restore)."""
@@ -168,7 +169,7 @@ class Pooled:
         )
         return NodeReport(
             node_id=node.node_id,
-            incarnation="sim",
+            incarnation=node.incarnation,
             inventory=inv,
             running=running,
             full=True,
