@@ -87,3 +87,23 @@ def test_closing_an_environment_on_disk_releases_no_memory_twice() -> None:
     core.node_report(with_disk(report(cores=4, mem=300), "t1"), 2.0)
     core.close_env("t1", 3.0)
     assert core.nodes["n0"].reserved_mb == 0
+
+
+def test_an_environment_on_disk_is_restored_only_into_free_memory() -> None:
+    """t1 went to disk and t2 took its memory: t1's next action must not book the node past
+    its memory. While t2 works it waits, saying why; once t2 is idle, t2 is reclaimed."""
+    core, _ = one_env_node()
+    core.node_report(with_disk(report(cores=4, mem=300), "t1"), 2.0)
+    core.enqueue(action("b", "t2", mem=200), 3.0)
+    (b,) = starts(core.schedule(3.0))
+    core.enqueue(action("c", "t1", mem=200), 3.5)
+    assert starts(core.schedule(3.5)) == []  # t2 is busy: nothing to reclaim
+    assert core.nodes["n0"].reserved_mb == 200
+    assert "on disk" in core.waits["c"]
+    core.complete(done(b), 4.0)
+    effects = core.schedule(4.0)
+    (c,) = starts(effects)
+    assert c.action.spec.trajectory_id == "t1"
+    lost = [e.trajectory_id for e in effects if isinstance(e, EnvChanged) and e.status == "lost"]
+    assert lost == ["t2"]  # the idle resident one made room
+    assert core.nodes["n0"].reserved_mb == 200

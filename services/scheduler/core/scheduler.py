@@ -736,8 +736,34 @@ class SchedulerCore:
             node_id, effects = self._place_new(act, p)
             if node_id is None:
                 return effects
+        else:
+            env = self.envs.get(tid)
+            if env is not None and env.on_disk:
+                fits, effects = self._room_to_restore(act, env, p)
+                if not fits:
+                    return effects
         self._offer(p, node_id, act)
         return effects
+
+    def _room_to_restore(
+        self, act: UnifiedAction, env: EnvPlacement, p: _Pass
+    ) -> tuple[bool, list[Effect]]:
+        """An environment on disk books its memory again when its action starts: only if its
+        node has that memory free (reclaiming idle environments there if that is what stops
+        it); else the action waits, saying why. Booked in the pass when it fits."""
+        node_id = env.node_id
+        reclaimed: list[Effect] = []
+        if self._free_mb(p).get(node_id, 0) < env.memory_mb:
+            reclaimed = self._reclaim_memory(env.memory_mb, p, only=node_id)
+        if self._free_mb(p).get(node_id, 0) < env.memory_mb:
+            self.waits[act.spec.action_id] = (
+                f"its environment is on disk and node {node_id} has not the "
+                f"{env.memory_mb} MB to restore it"
+            )
+            return False, reclaimed
+        self.waits.pop(act.spec.action_id, None)
+        p.placed_mb[node_id] = p.placed_mb.get(node_id, 0) + env.memory_mb
+        return True, reclaimed
 
     def _report_lost(self, act: UnifiedAction, now: float) -> list[Effect]:
         """The trajectory's first action after its environment was lost says so, once; the
@@ -824,7 +850,7 @@ class SchedulerCore:
         node_id = self._place(act, p)
         reclaimed: list[Effect] = []
         if node_id is None:
-            reclaimed = self._reclaim_memory(act, p)
+            reclaimed = self._reclaim_memory(act.env_memory_mb, p)
             node_id = self._place(act, p) if reclaimed else None
         if node_id is None:
             self.waits[act.spec.action_id] = self._wait_reason(act, p)
@@ -964,10 +990,10 @@ class SchedulerCore:
         self.issued += 1
         return self.issued
 
-    def _reclaim_memory(self, act: UnifiedAction, p: _Pass) -> list[Effect]:
-        """Make room for a new environment by ending the oldest idle ones (no action queued
-        or running) on one node, until that node has the memory; their trajectories' next
-        action says ``environment_lost`` once."""
+    def _reclaim_memory(self, need_mb: int, p: _Pass, only: str | None = None) -> list[Effect]:
+        """Make room for an environment of ``need_mb`` by ending the oldest idle ones (no
+        action queued or running) on one node (``only``, if given), until that node has the
+        memory; their trajectories' next action says ``environment_lost`` once."""
         busy = {r.action.spec.trajectory_id for r in self.running.values()}
         queued = self.pending.by_tid
         idle = [
@@ -975,7 +1001,10 @@ class SchedulerCore:
             for e in self.envs.values()
             if e.trajectory_id not in busy and e.trajectory_id not in queued and not e.on_disk
         ]
-        plan = reclaim_plan(act.env_memory_mb, idle, self._free_mb(p))
+        free = self._free_mb(p)
+        if only is not None:
+            free = {only: free[only]} if only in free else {}
+        plan = reclaim_plan(need_mb, idle, free)
         return [
             effect
             for env in plan
