@@ -187,6 +187,9 @@ def action_times(row: ActionRow, events: list[Event], result: ActionResult | Non
     )
 
 
+SUBMITTED_BEFORE_S = 6 * 3600.0
+
+
 class _Timed(msgspec.Struct):
     timings: Any = None
 
@@ -197,9 +200,12 @@ async def act_series(
     """Mean ACT parts per bucket over the last ``minutes`` (the newest MAX_ACT_ROWS actions)."""
     until = time.time() if now is None else now
     since = until - minutes * 60
+    # through the submit-time index: an action finishing in the window was submitted at most
+    # SUBMITTED_BEFORE_S before it (longer ones are left out of the plot)
     rows = await pool.fetch(
-        "SELECT finished_at, result FROM actions WHERE finished_at >= $1 AND result IS NOT NULL"
-        " ORDER BY finished_at DESC LIMIT $2",
+        "SELECT finished_at, result FROM actions WHERE submitted_at >= $1 AND finished_at >= $2"
+        " AND result IS NOT NULL ORDER BY submitted_at DESC LIMIT $3",
+        since - SUBMITTED_BEFORE_S,
         since,
         MAX_ACT_ROWS,
     )

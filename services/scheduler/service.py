@@ -543,6 +543,12 @@ def _warm(mesh: MeshConfig, cfg: SchedulerConfig) -> None:
         importlib.import_module("opentelemetry.exporter.otlp.proto.http.trace_exporter")
 
 
+class _Standby(Service):
+    """What the ops endpoint shows of a scheduler waiting for the lead: alive, not ready."""
+
+    name = "scheduler"
+
+
 async def build(
     stack: contextlib.AsyncExitStack, overrides: Mapping[str, Any] | None = None
 ) -> tuple[MeshConfig, Scheduler]:
@@ -550,8 +556,11 @@ async def build(
     given its pool and bus; ``stack`` closes the bus first, then the pool."""
     mesh, cfg = config.load(overrides)
     _warm(mesh, cfg)
-    # A standby waits here, before it opens anything else; the lock is let go last.
-    lead = await stack.enter_async_context(Lead(mesh.postgres_dsn, cfg.lead_config()))
+    # A standby waits here, before it opens anything else; the lock is let go last. Meanwhile
+    # its ops endpoint answers (/healthz 200, /readyz 503 "new"), so a liveness probe leaves it
+    # be; the leader's endpoint replaces it on the same port.
+    async with ops_http.serving(_Standby(), mesh.ops_host, mesh.ops_port):
+        lead = await stack.enter_async_context(Lead(mesh.postgres_dsn, cfg.lead_config()))
     session = f"{store.SESSIONS} {uuid.uuid4().hex[:12]}"
     pool = await db.open_pool(stack, mesh.postgres_dsn, name=session)
     bus = await open_bus(stack, mesh.nats_url, "scheduler")

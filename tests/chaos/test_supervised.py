@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import aiohttp
 import asyncpg
 import pytest
 
@@ -206,6 +207,19 @@ async def led_by_a_new_epoch(mesh: Mesh, bus: Bus, old: int) -> int:
     except TangramError:
         return 0
     return st.epoch if st.epoch > old else 0
+
+
+async def test_a_waiting_standby_is_alive_and_not_ready(mesh: Mesh):
+    """Its ops endpoint answers while it waits for the lead (a liveness probe leaves it be)."""
+    leader = await eventually(lambda: standby_waiting(mesh), what="a standby waiting")
+    (standby,) = [k for k in mesh.procs if k.startswith("scheduler") and k != leader]
+    url = f"http://127.0.0.1:{mesh.ops_ports[standby]}"
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/healthz") as alive:
+            assert alive.status == 200
+        async with http.get(f"{url}/readyz") as ready:
+            assert ready.status == 503
+            assert (await ready.json())["state"] == "new"
 
 
 async def test_the_standby_leads_within_5s_and_nothing_is_lost_or_run_twice(

@@ -115,7 +115,12 @@ async def test_one_action_is_one_trace_across_every_hop(traced_mesh, uid: str):
 
 def _trace(collector: Collector, action_id: str) -> tuple[set[str], set[str]]:
     """The services and span names in the trace whose root carries ``action_id``."""
-    roots = [t for _, t, _, a in collector.spans if a.get("tangram.action_id") == action_id]
+    # the client's span is the root (the services label their spans with the action id too)
+    roots = [
+        t
+        for svc, t, _, a in collector.spans
+        if svc == "tangram-test-client" and a.get("tangram.action_id") == action_id
+    ]
     if not roots:
         return set(), set()
     spans = [(svc, name) for svc, t, name, _ in collector.spans if t == roots[0]]
