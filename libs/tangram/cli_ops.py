@@ -121,6 +121,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
         [
             n.node_id,
             f"{n.free_cores}/{n.cores}",
+            f"{n.free_gpus}/{n.gpus}" if n.gpus else "-",
             f"{n.free_memory_mb}/{n.memory_mb}",
             str(n.envs),
             n.health or "?",
@@ -129,7 +130,16 @@ async def cmd_status(args: argparse.Namespace) -> int:
         ]
         for n in st.node_rows
     ]
-    header = ["NODE", "FREE CORES", "FREE MiB", "ENVS", "HEALTH", "PHASE", "LAST PROGRESS"]
+    header = [
+        "NODE",
+        "FREE CORES",
+        "FREE GPUS",
+        "FREE MiB",
+        "ENVS",
+        "HEALTH",
+        "PHASE",
+        "LAST PROGRESS",
+    ]
     table(header, nodes)
     queued = [
         [q.action_id, q.trajectory_id, str(q.cpus), f"{q.waited_s:.1f}s", q.reason]

@@ -185,12 +185,13 @@ def live_page(live: Live) -> str:
         parts.append(
             "<h3>Nodes</h3>"
             + table(
-                ["NODE", "CORES IN USE", "CORES", "FREE MiB", "ENVS", ""],
+                ["NODE", "CORES IN USE", "CORES", "GPUS IN USE", "FREE MiB", "ENVS", ""],
                 [
                     [
                         escape(n.node_id),
                         str(n.cores - n.free_cores),
                         str(n.cores),
+                        f"{n.gpus - n.free_gpus}/{n.gpus}" if n.gpus else "",
                         f"{n.free_memory_mb}/{n.memory_mb}",
                         str(n.envs),
                         "draining" if n.draining else "",

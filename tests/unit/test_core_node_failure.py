@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
-from services.scheduler.core.effects import Effect, Finish, StartOnNode
+from services.scheduler.core.effects import Effect, EnvChanged, Finish, StartOnNode
 from services.scheduler.core.scheduler import CoreConfig, SchedulerCore
 from services.scheduler.core.validate import problem
 from tangram.contract import Demand
@@ -66,6 +66,9 @@ def test_a_failed_node_is_fenced_and_only_what_cannot_have_started_is_queued_aga
     assert core.fenced("n0", "i0")
     assert core.node_report(report(cores=2), 6.0) == []  # a ghost does not come back
     assert "n0" not in core.nodes
+    ended = {e.trajectory_id: e.status for e in effects if isinstance(e, EnvChanged)}
+    assert ended == {"t-a": "lost", "t-b": "closed"}  # t-b's was never created: not lost
+    assert "t-b" not in core.gone_envs  # its next action is not told environment_lost
 
 
 def test_the_core_itself_declares_silent_nodes_lost_only_when_told_to() -> None:

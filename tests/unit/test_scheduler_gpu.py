@@ -471,3 +471,15 @@ def test_the_same_registration_again_joins_the_one_under_way_and_keeps_its_deadl
     assert "not prepared within 10s" in late.error
     changed = ServiceSpec("rm", "pkg.models:rm_v2")  # a new spec starts a new registration
     assert [e for e in core.register_service(changed, 11.0) if isinstance(e, PrepareOnNode)]
+
+
+def test_status_counts_a_gpu_nodes_gpus_in_use() -> None:
+    from services.scheduler.core.status import status_reply
+
+    core = core_with(gpu_report(services=prepared()))
+    (row,) = status_reply(core, 1, 0.0).node_rows
+    assert (row.gpus, row.free_gpus) == (8, 8)
+    core.enqueue(infer("a"), 0.0)
+    (run,) = starts(core.schedule(0.0))
+    (row,) = status_reply(core, 1, 0.0).node_rows
+    assert (row.gpus, row.free_gpus) == (8, 8 - len(run.gpus))

@@ -125,6 +125,9 @@ class NodeRow(_Msg):
     health: str = ""
     phase: str = ""
     last_progress_s: float | None = None
+    # a GPU node: its GPUs that may be granted (not lost), and how many of those are free
+    gpus: int = 0
+    free_gpus: int = 0
 
 
 class QueuedRow(_Msg):

@@ -19,6 +19,7 @@ process that ignores the kill may still be running on them.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -234,6 +235,8 @@ class SchedulerCore:
             effects += self._drop_stale(node, now)
             self._restore_chains(node, report)
         node.last_seen = now
+        if report.full:
+            node.envs_seen = frozenset(report.envs)
         effects += self._reconcile(node, report, now)
         effects += env_tiers.sync(node, self.envs, report, self.running)
         if node.gpu is not None:
@@ -411,6 +414,7 @@ class SchedulerCore:
             unstarted = not (run.confirmed or run.restored) and run.kill_by is None
             if run.node_id == node_id and unstarted and run.started_at >= node.last_seen + lease_s:
                 effects += self._redo(aid, node, now)
+                effects += self._uncreated(node, run, node.envs_seen)
         return effects + self._node_lost(node, now, why)
 
     def fenced(self, node_id: str, incarnation: str) -> bool:
@@ -425,11 +429,18 @@ class SchedulerCore:
             if run.node_id != node.node_id or aid in started:
                 continue
             effects += self._redo(aid, node, now)
-            env = self.envs.get(run.action.spec.trajectory_id)
-            if env is not None and env.node_id == node.node_id and env.trajectory_id not in envs:
-                why = f"node {node.node_id} left before creating it"
-                effects.append(self._end_env(env, "closed", why))  # nothing in it was lost
+            effects += self._uncreated(node, run, envs)
         return effects
+
+    def _uncreated(self, node: Node, run: Dispatched, envs: AbstractSet[str]) -> list[Effect]:
+        """A dispatch queued again because it never started: its environment, booked on
+        ``node`` but not among the ``envs`` the node said it held, was never created there, so
+        it is released, not lost (the trajectory's next action is told nothing)."""
+        env = self.envs.get(run.action.spec.trajectory_id)
+        if env is None or env.node_id != node.node_id or env.trajectory_id in envs:
+            return []
+        why = f"node {node.node_id} left before creating it"
+        return [self._end_env(env, "closed", why)]  # nothing in it was lost
 
     def _depart(self, node: Node) -> None:
         self.departed[node.node_id, node.incarnation] = None

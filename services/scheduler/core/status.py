@@ -52,6 +52,7 @@ def status_reply(
 
 def _node(core: SchedulerCore, node_id: str) -> NodeRow:
     node = core.nodes[node_id]
+    usable = set(node.gpu.gpus) - node.gpu.down - node.gpu.absent if node.gpu else set()
     return NodeRow(
         node_id=node_id,
         cores=node.capacity,
@@ -60,4 +61,6 @@ def _node(core: SchedulerCore, node_id: str) -> NodeRow:
         free_memory_mb=node.memory_mb - node.reserved_mb,
         envs=sum(1 for e in core.envs.values() if e.node_id == node_id),
         draining=node.draining,
+        gpus=len(usable),
+        free_gpus=len(usable & node.free),
     )
