@@ -120,7 +120,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
     nodes = [
         [
             n.node_id,
-            f"{n.free_cores}/{n.cores}",
+            f"{n.free_cores}/{n.cores}" if not n.gpus else "-",  # a GPU node's units are GPUs
             f"{n.free_gpus}/{n.gpus}" if n.gpus else "-",
             f"{n.free_memory_mb}/{n.memory_mb}",
             str(n.envs),

@@ -130,7 +130,14 @@ class Client:
                 creds=creds,
             )
         except Unavailable as exc:
-            raise Unavailable(f"{exc.message} (URL from {found.source})") from None
+            hint = ""
+            if creds is None and "credentials required" in exc.message:
+                hint = (
+                    "; `tangram up` keeps the client's credentials beside its mesh.json: run"
+                    " where its .state is, or set TANGRAM_STATE_DIR, or TANGRAM_CREDS to"
+                    f" {auth.Keyring(Path('<state>')).path(auth.DEFAULT_CLIENT)}"
+                )
+            raise Unavailable(f"{exc.message} (URL from {found.source}){hint}") from None
         client = cls(bus, **kw)
         holder.append(client)
         client._sub = await bus.nc.subscribe(

@@ -189,8 +189,8 @@ def live_page(live: Live) -> str:
                 [
                     [
                         escape(n.node_id),
-                        str(n.cores - n.free_cores),
-                        str(n.cores),
+                        "" if n.gpus else str(n.cores - n.free_cores),  # GPU node: GPUs
+                        "" if n.gpus else str(n.cores),
                         f"{n.gpus - n.free_gpus}/{n.gpus}" if n.gpus else "",
                         f"{n.free_memory_mb}/{n.memory_mb}",
                         str(n.envs),
