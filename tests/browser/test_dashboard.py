@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from services.dashboard.config import DashboardConfig
-from services.dashboard.spans import SpanWriter
+from services.dashboard.spans import COLUMNS, SpanWriter
 from tangram import subjects
 from tangram.bus import Bus
 from tangram.client import Client
@@ -228,17 +228,7 @@ async def test_retention_bounds_the_span_table(mesh: Mesh) -> None:
                 (mark, f"{i:016x}", "", "", "old", "test", 1000.0 + i, 1000.0 + i, False)
                 for i in range(1500)
             ],
-            columns=[
-                "trace_id",
-                "span_id",
-                "parent_id",
-                "action_id",
-                "name",
-                "service",
-                "start_at",
-                "end_at",
-                "error",
-            ],
+            columns=COLUMNS,
         )
         others = await pool.fetchval("SELECT count(*) FROM spans WHERE trace_id <> $1", mark)
         now = time.time()
