@@ -25,7 +25,8 @@ from ..support import eventually, running_mesh
 pytestmark = pytest.mark.slow
 
 MODULE = "tangram_e2e_models"
-CODE = textwrap.dedent(
+# the user models both GPU mesh modules serve (judge and rival: two seeds of one MLP)
+MODELS = textwrap.dedent(
     """
     import os, time, torch
 
@@ -42,6 +43,10 @@ CODE = textwrap.dedent(
     def rival():
         return _mlp(2), _handle
 
+    """
+)
+CODE = MODELS + textwrap.dedent(
+    """
     def paced():  # a tiny model whose pass costs a fixed 20 ms, as a kernel launch would
         def handle(model, payloads):
             time.sleep(0.02)

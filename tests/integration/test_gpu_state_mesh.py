@@ -19,28 +19,13 @@ from tangram.contract.state import Prefetch
 from tangram.launcher import Mesh
 
 from ..support import eventually
-from .test_gpu_mesh_e2e import direct, user_mesh
+from .test_gpu_mesh_e2e import MODELS, direct, user_mesh
 
 pytestmark = pytest.mark.slow
 
 MODULE = "tangram_state_models"
-CODE = textwrap.dedent(
+CODE = MODELS + textwrap.dedent(
     """
-    import os, time, torch
-
-    def _mlp(seed):
-        torch.manual_seed(seed)
-        return torch.nn.Sequential(torch.nn.Linear(4, 400), torch.nn.Tanh(), torch.nn.Linear(400, 400), torch.nn.Linear(400, 1))
-
-    def _handle(model, payloads):
-        return model(torch.tensor(payloads, dtype=torch.float32)).squeeze(1).tolist()
-
-    def judge():
-        return _mlp(1), _handle
-
-    def rival():
-        return _mlp(2), _handle
-
     def slow():  # holds the only device while the others queue at the scheduler
         def handle(model, payloads):
             open(os.environ["SLOW_MARKER"], "w").close()
