@@ -20,6 +20,7 @@ DEEP_BODY = b"\x81\xa1k" * 2000 + b"\x01"
 SUBJECTS = [
     subjects.GATEWAY.subject,
     subjects.SCHED_ACTIONS.subject,
+    subjects.SCHED_STATUS.subject,
     subjects.sched_node("node0").subject,
     subjects.node("node0").subject,
     subjects.NODES_BROADCAST.subject,
