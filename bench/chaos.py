@@ -24,20 +24,20 @@ marker file of its own; each HTTP call is counted by the server under its action
 
     python -m bench.chaos [--rate 20] [--http-rate 4] [--trajectories 32] [--stop-s 4]
                           [--partition-s 10] [--rounds 2] [--faults gateway,scheduler,...]
+                          [--into KEY]
+    python -m bench.chaos --idle 600 [--idle-every 60]
 
-Writes bench/results/chaos.json.
+Writes bench/results/chaos.json; ``--into KEY`` writes the run under KEY of the existing file
+instead (its other keys kept), and ``--idle`` writes its run under ``idle`` so (see chaos_idle).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
-import collections
 import contextlib
 import json
 import logging
-import math
 import os
 import platform
 import shutil
@@ -50,6 +50,8 @@ from typing import Any
 
 import uvloop
 
+from bench.chaos_account import account, summary
+from bench.chaos_idle import run_idle
 from bench.chaos_rig import (
     PARTITIONED,
     WINDOW_S,
@@ -80,7 +82,6 @@ FAULTS = (
 STOPPED = "cpu_manager.0"  # killed, then stopped
 SETTLE_S = 60.0
 STEADY_S = 3.0  # of undisturbed load before each injection
-TARGETS = {"detection_p99_s": 5.0, "serving_again_max_s": 10.0}
 
 log = logging.getLogger("bench.chaos")
 
@@ -193,6 +194,7 @@ async def _reaction(shot: Shot, w: Watch, load: Load) -> tuple[float, str] | Non
 async def run_fault(name: str, w: Watch, load: Load, args: argparse.Namespace) -> dict[str, Any]:
     """Inject one fault under the running load; its figures once the mesh has settled again."""
     load.phase = name
+    epoch = await w.epoch()  # which scheduler epoch led before: kept, or replaced?
     shot = await inject(name, w, args)
     log.warning("%s: injected into %s", name, shot.target)
     probe = "http" if name == "quota_manager" else "exec"
@@ -214,6 +216,7 @@ async def run_fault(name: str, w: Watch, load: Load, args: argparse.Namespace) -
         "exit_seen_s": _after(said.first(shot.target, "; restart ", shot.t0), shot.t0),
         "restarted_s": _after(said.first(shot.target, "restarted", shot.t0), shot.t0),
         "settled_s": None if settled_s is None else round(settled_s - shot.t0, 3),
+        "epochs": [epoch, await w.epoch()],  # leading before the fault, once settled after it
         "health_events": await w.transitions(shot.t0),
         "other_exits": [  # processes that exited because of this fault, not hit by it
             f"+{t - shot.t0:.2f}s {m}"
@@ -244,109 +247,6 @@ async def settle(w: Watch) -> float | None:
         await asyncio.sleep(0.1)
     log.error("the mesh did not settle within %.0fs: %s", SETTLE_S, why)
     return None
-
-
-# --------------------------------------------------------------------------- accounting
-
-
-def ended_in(faults: list[dict[str, Any]], t: float | None) -> str:
-    """The fault in whose window (from its injection to the next one's) ``t`` falls."""
-    if t is None:
-        return "never"
-    starts = [f["injected_at"] for f in faults]
-    i = bisect.bisect_right(starts, t)
-    return faults[i - 1]["fault"] if i else "warm-up"
-
-
-async def account(
-    w: Watch, load: Load, marks: Path, server: CountingServer, faults: list[dict[str, Any]]
-) -> dict[str, Any]:
-    """Every acknowledged action: one terminal state, delivered == recorded, runs counted;
-    outcomes by the fault window the action ended in."""
-    if load.tasks:
-        await asyncio.wait(list(load.tasks), timeout=300)
-    ids = list(load.sent)
-    recorded = await w.db("SELECT action_id, status FROM actions WHERE action_id = ANY($1)", ids)
-    events = await w.db(
-        "SELECT action_id, count(*) AS n FROM action_events WHERE action_id = ANY($1)"
-        " AND status IN ('succeeded', 'failed', 'cancelled') GROUP BY action_id",
-        ids,
-    )
-    status = {r["action_id"]: r["status"] for r in recorded or []}
-    terminal = {r["action_id"]: r["n"] for r in events or []}
-    bad: dict[str, list[str]] = collections.defaultdict(list)
-    kinds: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    ran_lost = 0
-    for aid, s in load.sent.items():
-        runs = _runs(marks / aid) if s.kind == "exec" else server.calls[aid]
-        r = s.result
-        kinds[ended_in(faults, s.done_at)][
-            r.error.kind if r is not None and r.error else (r.status if r else "none")
-        ] += 1
-        if r is None:
-            bad["no_result"].append(f"{aid}:{s.waiting_failed}")
-            continue
-        if terminal.get(aid) != 1:
-            bad["terminal_events_not_1"].append(f"{aid}:{terminal.get(aid)}")
-        if status.get(aid) != r.status:
-            bad["recorded_not_delivered"].append(f"{aid}:{status.get(aid)}/{r.status}")
-        if runs > 1:
-            bad["ran_more_than_once"].append(f"{aid}:{runs}")
-        if r.ok and runs == 0:
-            bad["succeeded_without_running"].append(aid)
-        ran_lost += int(s.lost and runs == 1)
-    return {
-        "acknowledged": len(ids),
-        "not_acknowledged": dict(load.unacked),
-        "outcomes_by_window_ended_in": {p: dict(c) for p, c in kinds.items()},
-        "lost_but_ran_once": ran_lost,  # node_died / environment_lost after it had started
-        "violations": {k: len(v) for k, v in bad.items()},
-        "violation_examples": {k: v[:10] for k, v in bad.items()},
-    }
-
-
-def _runs(path: Path) -> int:
-    try:
-        return len(path.read_text().split())
-    except FileNotFoundError:
-        return 0
-
-
-def p99(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-
-
-def summary(faults: list[dict[str, Any]], acc: dict[str, Any]) -> dict[str, Any]:
-    detect = [f["detected_s"] for f in faults if f["detected_s"] is not None]
-    serve = [f["serving_again_s"] for f in faults if f["serving_again_s"] is not None]
-    missing = [
-        f["fault"] for f in faults if f["detected_s"] is None or f["serving_again_s"] is None
-    ]
-    out = {
-        "detection_p99_s": p99(detect),
-        "detection_max_s": max(detect, default=None),
-        "serving_again_max_s": max(serve, default=None),
-        "faults_without_a_figure": missing,
-        "by_fault": {
-            name: {
-                "detected_s": [f["detected_s"] for f in faults if f["fault"] == name],
-                "serving_again_s": [f["serving_again_s"] for f in faults if f["fault"] == name],
-            }
-            for name in dict.fromkeys(f["fault"] for f in faults)
-        },
-        "violations": sum(acc["violations"].values()),
-        "targets": TARGETS,
-    }
-    out["targets_met"] = (
-        not missing
-        and out["violations"] == 0
-        and (out["detection_p99_s"] or 0) <= TARGETS["detection_p99_s"]
-        and (out["serving_again_max_s"] or 0) <= TARGETS["serving_again_max_s"]
-    )
-    return out
 
 
 # --------------------------------------------------------------------------- main
@@ -402,6 +302,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await settle(w)
                 for _ in range(args.rounds):
                     for name in args.faults:
+                        if faults:  # the supervisor's backoff starts afresh after stable_s
+                            last = faults[-1]["injected_at"]
+                            await asyncio.sleep(max(0.0, last + args.spacing_s - time.time()))
                         faults.append(await run_fault(name, w, load, args))
             finally:
                 stop.set()
@@ -421,6 +324,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "stop_s": args.stop_s,
             "partition_s": args.partition_s,
             "rounds": args.rounds,
+            "spacing_s": args.spacing_s,
             "mesh": "2 cpu_managers (process backend), quota_manager, 2 schedulers, secure,"
             " supervised, default health bounds (heartbeat 1 s, suspect 3 s, probe 2 s)",
             "host": f"{platform.node()} {os.cpu_count()} cpus",
@@ -442,6 +346,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def write(out: Path, result: dict[str, Any], into: str = "") -> None:
+    """Write ``result`` as ``out``, or under key ``into`` of it (its other keys kept as they are:
+    an idle run or a rerun of some faults adds to the full run's figures)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if into:
+        result = (json.loads(out.read_text()) if out.exists() else {}) | {into: result}
+    out.write_text(json.dumps(result, indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", type=float, default=20.0, help="exec actions per second")
@@ -451,15 +364,25 @@ def main() -> None:
     ap.add_argument("--partition-s", type=float, default=10.0)
     ap.add_argument("--rounds", type=int, default=2, help="times through the list of faults")
     ap.add_argument("--faults", type=lambda s: s.split(","), default=list(FAULTS))
+    ap.add_argument(
+        "--spacing-s", type=float, default=0.0, help="at least so long between two injections"
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--keep", action="store_true", help="keep the state dir (logs) afterwards")
+    ap.add_argument("--into", default="", help="write under this key of the existing --out")
+    ap.add_argument("--idle", type=float, default=0.0, help="an idle run of so many seconds")
+    ap.add_argument("--idle-every", type=float, default=60.0, help="idle: one action so often")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    result = uvloop.run(run(args))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["summary"], indent=1))
-    print(f"wrote {args.out}")
+    if args.idle > 0:
+        into, result = "idle", uvloop.run(run_idle(args, mesh_options(Path("."))))
+        shown = {k: v for k, v in result.items() if k != "health_events"}
+    else:
+        into, result = args.into, uvloop.run(run(args))
+        shown = result["summary"]
+    write(args.out, result, into)
+    print(json.dumps(shown, indent=1))
+    print(f"wrote {args.out}" + (f" (key {into})" if into else ""))
 
 
 if __name__ == "__main__":

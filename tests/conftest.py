@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,7 +16,7 @@ import pytest
 
 from tangram.bus import Bus
 from tangram.client import Client
-from tangram.embedded import EmbeddedNats
+from tangram.embedded import PG_TEMPLATE_VAR, EmbeddedNats
 from tangram.launcher import Mesh
 
 from .support import FAST_SERVICES, eventually, mesh_options, running_mesh
@@ -62,6 +64,15 @@ async def raw_bus(nats_url: str) -> AsyncIterator[Bus]:
 def uid() -> str:
     """A unique prefix for this test's ids."""
     return uuid.uuid4().hex[:10]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every Postgres cluster of this run (the tests' own and those of the meshes they start,
+    which inherit the environment) is a copy of one made at the first: initdb once, not once
+    per cluster. A run of the caller's choosing (the variable already set) is left alone."""
+    if PG_TEMPLATE_VAR not in os.environ:
+        os.environ[PG_TEMPLATE_VAR] = tempfile.mkdtemp(prefix="tangram-pg-template-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(PG_TEMPLATE_VAR), True))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -4,13 +4,20 @@ derived from one table of routes.
 A *principal* is a role (``client``, ``gateway``, ``scheduler``, ``node``, ``dashboard``,
 ``front``, ``ops``) and, for
 the roles that own subjects of their own, an id: a node agent owns ``tangram.v1.node.<id>``,
-a client credential owns ``tangram.v1.results.<id>.>``. :data:`ROUTES` names, for every subject
+a client credential owns ``tangram.v1.results.<id>.>`` and asks the gateway on
+``tangram.v1.gateway.<id>`` (the gateway knows whose actions and trajectories are whose;
+``tangram client add NAME`` makes one more: :mod:`tangram.cli_clients`). An *admin* client
+(the default one, or one added with ``--admin``) asks on ``tangram.v1.admin.<id>`` instead, which
+the broker lets admin credentials alone publish on: there the gateway also takes what changes
+the whole mesh (model services, quotas). :data:`ROUTES` names,
+for every subject
 of :mod:`tangram.subjects`, which roles serve it (subscribe) and which send on it (publish);
 each principal's permissions are derived from it, so a new subject left out of the table is
 caught by a test, never silently open or closed. Every principal reads replies on its own inbox
 prefix (``_INBOX_<user>``), so no one reads another's replies; a serving role may answer only
 the requests it received (NATS ``allow_responses``). ``ops`` is the operator's own (``tangram up``,
-``tangram status``): it may ask the gateway and the scheduler's status, never talk to nodes.
+``tangram status``): it may ask the gateway on its shared subject (requests without an owner)
+and the scheduler's status, never talk to nodes.
 A node agent sends to the scheduler on a subject of its own id (the scheduler checks the
 message is that node's); only the gateway changes the scheduler's books.
 
@@ -38,6 +45,10 @@ from tangram.errors import InvalidRequest
 
 CREDS_VAR: Final = "TANGRAM_CREDS"
 AUTH_DIR: Final = "auth"
+# The dashboard's token (its pages show every client's commands and outputs), and its URL with
+# the token, in the auth dir; mesh.json names the URL without it.
+DASHBOARD_TOKEN: Final = "dashboard-token"
+DASHBOARD_URL: Final = "dashboard-url"
 SERVER_CONF: Final = "nats-auth.conf"
 INBOX_ROOT: Final = "_INBOX_"
 ID: Final = "{id}"  # a route's placeholder for the principal's own id
@@ -62,13 +73,23 @@ class Route:
     # whose id ``{id}`` is: the server's (its senders may send to any id), or the sender's
     # (it may send under its own id alone; its servers hear every id)
     sender_id: bool = False
+    admin: bool = False  # only the admin principals of ``send`` may send on it
 
 
 # Every subject of the mesh. A sender of a subject with ``{id}`` may send to any id (``*``),
 # unless the id is the sender's own. Only the gateway changes the scheduler's books (intake,
 # cancels, services): the read-only roles ask its status subject alone.
 ROUTES: Final = (
-    Route(subjects.GATEWAY.subject, serve=(GATEWAY,), send=(CLIENT, OPS, FRONT)),
+    # the operator's door: its requests have no owner (see services/gateway/ownership.py)
+    Route(subjects.GATEWAY.subject, serve=(GATEWAY,), send=(OPS,)),
+    # a client asks on its own subject: the gateway knows whose actions and trajectories
+    # are whose without trusting the message
+    Route(subjects.gateway_of(ID).subject, serve=(GATEWAY,), send=(CLIENT, FRONT), sender_id=True),
+    # an admin client's door: the broker, not the message, tells the gateway who may change
+    # what every client depends on (register services, set quotas)
+    Route(
+        subjects.admin_of(ID).subject, serve=(GATEWAY,), send=(CLIENT,), sender_id=True, admin=True
+    ),
     Route(subjects.SCHED_ACTIONS.subject, serve=(SCHEDULER,), send=(GATEWAY,)),
     Route(subjects.SCHED_STATUS.subject, serve=(SCHEDULER,), send=(GATEWAY, OPS, DASHBOARD)),
     # a node speaks for itself alone (the scheduler refuses a message for another node id)
@@ -79,6 +100,10 @@ ROUTES: Final = (
     Route(subjects.prefetch(ID).subject, serve=(NODE,), send=(SCHEDULER,)),
     Route(subjects.results(ID) + ".>", serve=(CLIENT, FRONT), send=(SCHEDULER,), replies=False),
     Route(subjects.SPANS.subject, serve=(DASHBOARD,), send=SERVICES, replies=False),
+    # heartbeats: each role on its own subject (the listener refuses a beat naming another
+    # role); one credential per role, so any gateway may still beat as any gateway instance
+    Route(subjects.GATEWAY_BEATS.subject, serve=(SCHEDULER,), send=(GATEWAY,), replies=False),
+    Route(subjects.SCHEDULER_BEATS.subject, serve=(SCHEDULER,), send=(SCHEDULER,), replies=False),
 )
 
 
@@ -118,10 +143,12 @@ def inbox_prefix(user: str) -> str:
     return f"{INBOX_ROOT}{user}"
 
 
-def grant(who: Principal) -> Grant:
-    """The permissions of ``who``, derived from :data:`ROUTES`."""
+def grant(who: Principal, admin: bool = False) -> Grant:
+    """The permissions of ``who`` (an admin client's: ``admin``), derived from :data:`ROUTES`."""
     pub = [
-        r.subject.replace(ID, who.id if r.sender_id else "*") for r in ROUTES if who.role in r.send
+        r.subject.replace(ID, who.id if r.sender_id else "*")
+        for r in ROUTES
+        if who.role in r.send and (admin or not r.admin)
     ]
     # a server of the senders' ids hears them all (``>``: a node id may hold dots unauthed)
     sub = [
@@ -153,10 +180,28 @@ class Creds(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     user: str
     password: str
     id: str = ""  # the principal's own id: its results (client) or node subjects live under it
+    # a client that may change the whole mesh (see is_admin); what the broker's config grants
+    # decides, this only tells the client which subject to ask on
+    admin: bool = False
 
     @property
     def inbox_prefix(self) -> str:
         return inbox_prefix(self.user)
+
+
+def is_admin(creds: Creds) -> bool:
+    """Whether ``creds`` is an admin client's: one added with ``--admin``, or the default
+    client (mesh.json's, which the README's examples register services and set quotas with;
+    its file may predate the field)."""
+    return creds.admin or creds.user == DEFAULT_CLIENT.user
+
+
+def client_inboxes(owner: str) -> tuple[str, ...]:
+    """The inbox prefixes (with their final dot) under which the principals that may ask on
+    ``owner``'s gateway subjects read replies: a request heard there whose reply subject is not
+    under one of them would have the gateway answer onto someone else's subject."""
+    roles = {role for r in ROUTES if r.sender_id and GATEWAY in r.serve for role in r.send}
+    return tuple(inbox_prefix(f"{role}-{owner}") + "." for role in sorted(roles))
 
 
 def load_creds(path: str | Path) -> Creds:
@@ -204,21 +249,58 @@ class Keyring:
     def path(self, who: Principal) -> Path:
         return self.dir / f"{who.user}.json"
 
-    def ensure(self, who: Principal) -> Path:
-        """The credential file of ``who``, made now if missing."""
+    def ensure(self, who: Principal, admin: bool = False) -> Path:
+        """The credential file of ``who`` (an admin client's: ``admin``), made now if missing."""
         path = self.path(who)
         if not path.exists():
-            creds = Creds(user=who.user, password=secrets.token_urlsafe(24), id=who.id)
+            password = secrets.token_urlsafe(24)
+            creds = Creds(user=who.user, password=password, id=who.id, admin=admin)
             _write_private(path, msgspec.json.encode(creds))
         return path
 
+    def dashboard_token(self) -> Path:
+        """The file of the dashboard's token (:data:`DASHBOARD_TOKEN`), made now if missing."""
+        path = self.dir / DASHBOARD_TOKEN
+        if not path.exists():
+            _write_private(path, secrets.token_urlsafe(32).encode())
+        return path
+
+    def write_dashboard_url(self, base: str) -> Path:
+        """Write the dashboard's URL with its token (:data:`DASHBOARD_URL`): mesh.json, which
+        others may read, names the URL without it."""
+        path = self.dir / DASHBOARD_URL
+        _write_private(path, (login_url(base, read_token(self.dashboard_token())) + "\n").encode())
+        return path
+
+    def clients(self) -> list[Principal]:
+        """Every client credential in this keyring (the default one and those added)."""
+        found = [load_creds(p) for p in sorted(self.dir.glob(f"{CLIENT}-*.json"))]
+        return [Principal(CLIENT, c.id) for c in found if c.user == f"{CLIENT}-{c.id}"]
+
+    def admitted(self) -> list[Principal]:
+        """The principals the broker's config written last admits (none: not written yet)."""
+        path = self.dir / SERVER_CONF
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return []
+        users = json.loads(text.removeprefix("authorization: "))["users"]
+        return [_principal_of(str(u["user"])) for u in users]
+
     def server_config(self, principals: list[Principal]) -> Path:
         """Write the broker's authorization for ``principals`` (their files made if missing)."""
-        users = [_user_entry(load_creds(self.ensure(p)), grant(p)) for p in principals]
+        found = [(p, load_creds(self.ensure(p))) for p in principals]
+        users = [_user_entry(c, grant(p, admin=p.role == CLIENT and is_admin(c))) for p, c in found]
         text = "authorization: " + json.dumps({"users": users}, indent=1) + "\n"
         path = self.dir / SERVER_CONF
         _write_private(path, text.encode())
         return path
+
+
+def _principal_of(user: str) -> Principal:
+    """The principal whose :attr:`Principal.user` is ``user`` (roles hold no '-')."""
+    role, _, id_ = user.partition("-")
+    return Principal(role, id_)
 
 
 def _user_entry(creds: Creds, g: Grant) -> dict[str, object]:
@@ -230,6 +312,22 @@ def _user_entry(creds: Creds, g: Grant) -> dict[str, object]:
     if g.responds:
         perms["allow_responses"] = True
     return {"user": creds.user, "password": creds.password, "permissions": perms}
+
+
+def read_token(path: str | Path) -> str:
+    """The dashboard token in ``path``; a clear error when it is missing or empty."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise InvalidRequest(f"cannot read the dashboard token {path}: {exc.strerror}") from exc
+    if not token:
+        raise InvalidRequest(f"the dashboard token file {path} is empty")
+    return token
+
+
+def login_url(base: str, token: str) -> str:
+    """The dashboard's URL at ``base`` that logs a browser in (as Jupyter prints its own)."""
+    return f"{base.rstrip('/')}/?token={token}"
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -285,14 +383,17 @@ class MeshAuth:
 
     def __init__(self, state_dir: Path) -> None:
         self.keyring = Keyring(state_dir)
-        self.client_creds = self.keyring.ensure(DEFAULT_CLIENT)
+        self.client_creds = self.keyring.ensure(DEFAULT_CLIENT, admin=True)
         self.ops_creds = self.keyring.ensure(Principal(OPS))
+        self.dashboard_token = self.keyring.dashboard_token()  # compose's dashboard reads it
 
     def server_config(self, services: Iterable[tuple[str, Mapping[str, str]]]) -> Path:
         """The broker's config admitting ``services`` (name, env), the client and ops."""
         found = [service_principal(name, env) for name, env in services]
         found += [service_principal(name, {}) for name in SERVICE_ROLES if name not in NODE_ID_VARS]
-        principals = {p.user: p for p in [Principal(OPS), DEFAULT_CLIENT, *found] if p is not None}
+        clients = self.keyring.clients()  # `tangram client add`'s, kept across restarts
+        every = [Principal(OPS), DEFAULT_CLIENT, *found, *clients]
+        principals = {p.user: p for p in every if p is not None}
         return self.keyring.server_config(list(principals.values()))
 
     def service_creds(self, service: str, env: Mapping[str, str]) -> Path | None:

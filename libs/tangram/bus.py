@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Final, TypeVar, overload
@@ -47,6 +48,8 @@ Unsubscribe = Callable[[], Awaitable[None]]
 # interpreter's limit (~1,000), even while skipping an unknown field. Refuse far before that.
 MAX_NESTING: Final = 32
 DEFAULT_TIMEOUT_S: Final = 5.0
+# Refused pushes (no one to answer but the log): at most this many lines per this many seconds
+DROPPED_LOG: Final = (5, 10.0)
 
 # msgpack type bytes that open a container (fixmap, fixarray, array16/32, map16/32).
 _OPENERS: Final = bytes(range(0x80, 0xA0)) + b"\xdc\xdd\xde\xdf"
@@ -185,6 +188,9 @@ class Server:
         self._unsubscribe: Unsubscribe | None = None
         self.served = 0
         self.rejected = 0
+        self.dropped = 0  # pushes refused (nobody to tell but the log)
+        self._unsaid = 0  # of those, not logged yet
+        self._logs: list[float] = []  # when the last few were logged
 
     async def start(self) -> None:
         self._unsubscribe = await self._bus._subscribe(self.subject, self._queue, self._on_msg)
@@ -216,8 +222,31 @@ class Server:
     async def _handle(self, msg: Msg) -> None:
         self.served += 1
         reply = await self._dispatch(msg)
-        if reply is not None:
+        if reply is None:
+            return
+        if msg.reply:
             await self._bus.reply(msg, reply)
+        elif isinstance(reply, ErrorReply):
+            self._drop(reply)
+
+    def refuse(self, why: str) -> None:
+        """A request its handler refuses to answer at all (it returns None): logged as a
+        dropped message is (:meth:`_drop`), so a flood of them is counted, not logged each."""
+        self._drop(InvalidRequest(why).to_reply())
+
+    def _drop(self, why: ErrorReply) -> None:
+        """A published message refused (undecodable, or its handler said no): no requester to
+        answer, so the log says it -- a few lines per window (``DROPPED_LOG``), a flood counted."""
+        self.dropped += 1
+        self._unsaid += 1
+        most, window_s = DROPPED_LOG
+        now = time.monotonic()
+        self._logs = [t for t in self._logs if now - t < window_s]
+        if len(self._logs) >= most:
+            return
+        self._logs.append(now)
+        n, self._unsaid = self._unsaid, 0
+        log.warning("%s: dropped %d message(s); the last: %s", self.subject, n, why.message)
 
     async def _dispatch(self, msg: Msg) -> Any:
         decoded = decode_request(msg.data, self._typ)

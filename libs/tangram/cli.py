@@ -7,6 +7,9 @@ tangram exec      run a command in a trajectory's own environment (prints the ac
 tangram cancel / result / close-env / status / health   act on a running mesh
 tangram demo      an embedded mesh running a small AI-coding rollout, with a report
 tangram simulate  the trace-driven simulator (the scheduler's core on a virtual clock)
+tangram auth      a deployment's NATS credentials and Postgres roles (compose runs it)
+tangram client    add / list / remove client credentials of a running mesh (one per team or job)
+tangram dashboard the dashboard's URL with its token
 
 Commands on a running mesh find it by themselves: --nats, $TANGRAM_NATS_URL, the mesh.json
 that `tangram up` writes in --state-dir (default .state), then port 4222 on this machine.
@@ -27,7 +30,7 @@ from typing import Any
 
 import uvloop
 
-from tangram import cli_ops, runtime, services_cli, telemetry
+from tangram import cli_auth, cli_clients, cli_ops, runtime, services_cli, telemetry
 from tangram.errors import TangramError
 
 DEFAULT_STATE = Path(os.environ.get("TANGRAM_STATE_DIR", ".state"))
@@ -89,7 +92,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
             f"{st.free_cores} free cores"
         )
         print(f"mesh up: nats {mesh.nats_url}  postgres {mesh.postgres_dsn}")
-        print(f"dashboard   {mesh.dashboard_url}", flush=True)
+        print(f"dashboard   {mesh.dashboard_login_url}", flush=True)  # its token: private
         print(f"rewards     {mesh.reward_front_url} (POST /rm, /get_reward)", flush=True)
         await _register_services(mesh, args.services)
         print(f"wrote {mesh.opts.state_dir / 'mesh.json'}; Ctrl-C stops everything", flush=True)
@@ -269,6 +272,8 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--nats", default=None)
     sp.add_argument("--postgres", default=None)
     cli_ops.add_parsers(sub, str(DEFAULT_STATE))
+    cli_auth.add_parsers(sub)
+    cli_clients.add_parsers(sub, str(DEFAULT_STATE))
     ip = sub.add_parser("sandbox-image", help="build the default Docker sandbox image offline")
     ip.add_argument("--image", default="tangram-sandbox:latest", help="tag to build")
     ip.add_argument("--docker-host", default=None, help="default: TANGRAM_CPU_DOCKER_HOST")
@@ -298,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     telemetry.setup(f"tangram-{args.cmd}", os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
     commands = {
         **cli_ops.COMMANDS,
+        **cli_auth.COMMANDS,
+        **cli_clients.COMMANDS,
         "up": cmd_up,
         "service": cmd_service,
         "demo": cmd_demo,

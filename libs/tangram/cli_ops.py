@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from tangram import auth, discovery, subjects
+from tangram import auth, beats, discovery, subjects
 from tangram.bus import Bus
 from tangram.client import Client
 from tangram.contract import ActionResult, GetResult, NodeRow, SchedulerStatus, StatusQuery
@@ -116,7 +116,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
         f"scheduler epoch {st.epoch}, policy {st.policy}: {st.nodes} node(s), "
         f"{st.queued} queued, {st.running} running, {st.envs} environment(s)\n"
     )
-    table(["SERVICE", "HEALTH", "PHASE"], await _services(locate(args), st))
+    table(list(beats.COLUMNS), await _services(locate(args), st))
     nodes = [
         [
             n.node_id,
@@ -155,20 +155,22 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
 
 async def _services(url: str, st: SchedulerStatus) -> list[list[str]]:
-    """The services' rows: the scheduler answered (it leads), the gateway is asked."""
-    rows = [["scheduler", "healthy", f"leading, epoch {st.epoch}"]]
+    """The services' rows: their heartbeats as the leader heard them; from a scheduler that
+    hears none (an older one), the scheduler (it answered) and the gateway, asked."""
+    if st.service_rows:
+        return [beats.cells(r) for r in st.service_rows]
+    rows = [["scheduler", "-", "-", "healthy", f"leading, epoch {st.epoch}", "-", "-", "-"]]
     try:
         why = await _unhealthy("gateway", url, None)
     except TangramError as exc:
         why = str(exc)
-    rows.append(
-        ["gateway", "unhealthy: " + why if why else "healthy", "serving" if not why else ""]
-    )
+    health, phase = ("unhealthy: " + why, "") if why else ("healthy", "serving")
+    rows.append(["gateway", "-", "-", health, phase, "-", "-", "-"])
     return rows
 
 
 def _ago(n: NodeRow) -> str:
-    return "?" if n.last_progress_s is None else f"{n.last_progress_s:.1f}s ago"
+    return beats.ago(n.last_progress_s)
 
 
 def table(header: list[str], rows: list[list[str]]) -> None:
@@ -249,7 +251,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser], state:
         default=0.0,
         help="wait up to this many seconds for it to finish (default: do not wait; exit 3)",
     )
-    sp = sub.add_parser("status", help="the scheduler's nodes, queue and running actions")
+    sp = sub.add_parser(
+        "status", help="the services' and nodes' health, the queue and the running actions"
+    )
     _where(sp, state)
     hp = sub.add_parser("health", help="exit 0 if a service answers over NATS (compose probes)")
     _where(hp, state)

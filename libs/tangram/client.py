@@ -89,6 +89,17 @@ RECHECK_S = 30.0  # ask the gateway for a result not pushed within this (and on 
 POLL_MIN_S, POLL_MAX_S = 0.05, 1.0  # polling for results of other clients' actions
 
 
+def gateway_endpoint(bus: Bus) -> subjects.Endpoint[Any, Any]:
+    """Where this connection asks the gateway: its client credential's own subject (the
+    gateway then knows whose actions and trajectories are whose), else the shared one (a mesh
+    without auth, or the operator's credential). An admin client's is its admin subject, where
+    the gateway also takes mesh-wide changes (the broker admits there admin credentials alone)."""
+    creds = bus.creds
+    if creds is None or not creds.id:
+        return subjects.GATEWAY
+    return subjects.admin_of(creds.id) if auth.is_admin(creds) else subjects.gateway_of(creds.id)
+
+
 class Client:
     """Async client of a Tangram mesh. Use ``async with Client.connect() as client``."""
 
@@ -100,24 +111,38 @@ class Client:
         self._early: OrderedDict[str, ActionResult] = OrderedDict()
         self._sub: Subscription | None = None
         self._ids = itertools.count()
-        self._intake = SubmitBatcher(bus, ATTEMPT_FIRST_S)  # submits leave in batches
+        self.gateway = gateway_endpoint(bus)
+        self._intake = SubmitBatcher(bus, ATTEMPT_FIRST_S, self.gateway)  # leave in batches
         self.cleanups = Cleanups()  # lease releases that outlive a cancelled caller
 
     @classmethod
     def connect(
-        cls, nats_url: str | None = None, *, creds: str | Path | None = None, **kw: Any
+        cls,
+        nats_url: str | None = None,
+        *,
+        creds: str | Path | None = None,
+        connect_timeout_s: float = 10.0,
+        **kw: Any,
     ) -> _Connecting:
         """Connect to the mesh's NATS (await it, or use it as an async context manager).
 
         Without a URL the running mesh is found: ``TANGRAM_NATS_URL``, then the live
         ``mesh.json`` in ``TANGRAM_STATE_DIR`` (default ``.state``), then port 4222 here.
         Credentials: ``creds`` (a file ``tangram up`` wrote), else ``TANGRAM_CREDS``, else the
-        ``client_creds`` named in that ``mesh.json``; none when the mesh asks for none."""
-        return _Connecting(cls._open(nats_url, creds=creds, **kw))
+        ``client_creds`` named in that ``mesh.json``; none when the mesh asks for none.
+        A broker that does not answer within ``connect_timeout_s`` is ``Unavailable``."""
+        return _Connecting(
+            cls._open(nats_url, creds=creds, connect_timeout_s=connect_timeout_s, **kw)
+        )
 
     @classmethod
     async def _open(
-        cls, nats_url: str | None, *, creds: str | Path | None = None, **kw: Any
+        cls,
+        nats_url: str | None,
+        *,
+        creds: str | Path | None = None,
+        connect_timeout_s: float = 10.0,
+        **kw: Any,
     ) -> Client:
         holder: list[Client] = []
         found = discovery.find(nats_url)
@@ -128,6 +153,7 @@ class Client:
                 "tangram-client",
                 on_reconnect=lambda: holder[0].resync(),
                 creds=creds,
+                deadline_s=connect_timeout_s,
             )
         except Unavailable as exc:
             hint = ""
@@ -246,7 +272,8 @@ class Client:
         return ack
 
     async def result(self, action_id: str, timeout: float | None = None) -> ActionResult:
-        """Wait for an action's result (one submitted by any client)."""
+        """Wait for an action's result (one submitted by any client of this credential; another
+        credential's is ``not_found``)."""
         fut = self._waiter(action_id)
         return await self._await(action_id, fut, timeout, ask_first=not fut.done())
 
@@ -444,7 +471,7 @@ class Client:
                 if tries == 1 and first is not None:
                     return await first()
                 return await self.bus.request(
-                    subjects.GATEWAY, req, timeout=min(attempt_s, _left(deadline))
+                    self.gateway, req, timeout=min(attempt_s, _left(deadline))
                 )
             except TangramError as exc:
                 if not exc.retryable:

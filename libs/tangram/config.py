@@ -26,6 +26,8 @@ class MeshConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     otel_endpoint: str | None = None
     stored_traces_per_s: float = 50.0  # traces started a second for the dashboard (0: off)
     drain_s: float = 10.0
+    # How often a gateway or scheduler publishes its heartbeat (TANGRAM_HEARTBEAT_S; tangram.beats)
+    heartbeat_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 1.0
     # Each process's ops endpoint (/metrics, /healthz, /readyz; tangram.ops_http): loopback
     # only by default; port 0 takes any free port (`tangram up` gives each service its own).
     ops_host: str = "127.0.0.1"

@@ -11,9 +11,25 @@ finished). The rules:
   ``max(suspect_s, expected_factor * the longest expected duration of what it runs)`` --
   becomes suspect. An idle member is never stalled, however quiet; a slow action only makes
   its member suspect once its own expected duration is long past, and the probe then clears it.
-- a suspect is *probed* (a ping on its own command subject); an answer within
-  ``probe_timeout_s`` makes it healthy again, no answer makes it *fenced*: its reports are
-  refused from then on, so its start lease (see ``tangram.agent.core``) is not renewed.
+- *not starting* (the start phase): a member with launches under way (``Progress.spawning``:
+  actions that hold what they need and are being started, see ``tangram.agent.starts``) whose
+  ``spawned`` count has not moved for ``start_s`` becomes suspect, whatever its actions'
+  durations: starting an action takes milliseconds (a wedged launcher is suspect after
+  ``start_s``, not after twice a 600 s timeout). What may take long before a start -- a
+  container created or restored, a model restored onto its GPUs, a wait for a core -- is
+  no launch, so it never counts here. The window counts only time the member was heard:
+  it is judged only while the last report is under ``start_s / 2`` old, and a report after
+  a longer gap (the member paused, its reports held up) starts it again, so a pause is
+  judged by the silence rule alone.
+- a suspect is *probed*, each step answered within ``probe_timeout_s`` or it is *fenced*:
+  first a ping on its own command subject (is its bus loop alive?), then, when it is
+  suspect for want of progress (not for silence), a *canary*:
+  a trivial action through the agent's real execution path (a process spawned as its actions
+  are, a no-op on the thread that runs its model calls), answered only once it completed. An
+  executor wedged while the bus loop still answers pings fails the second step. Both carry
+  the incarnation probed: an answer of another incarnation of the node never counts for it.
+  Fenced, its reports are refused from then on, so its start lease (see
+  ``tangram.agent.core``) is not renewed.
 - a fenced member is *failed* once its lease has surely run out: ``lease_s`` after its last
   report was read. Only then is it recovered (its possibly started actions end ``node_died``):
   nothing it was sent can start after that.
@@ -34,38 +50,63 @@ from tangram.contract import Progress
 
 class HealthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The detector's bounds, read by the scheduler from ``TANGRAM_HEALTH_SILENT_S``,
-    ``..._SUSPECT_S``, ``..._EXPECTED_FACTOR``, ``..._PROBE_TIMEOUT_S``, ``..._LEASE_S`` and
-    ``..._CHECK_S``. Defaults (issue 14): agents report every 1 s (``TANGRAM_CPU_HEARTBEAT_S``
-    and the like), suspect after 3 s, probe timeout 2 s: a stopped agent is failed ~5 s after
-    its last report, a pause shorter than that costs nothing."""
+    ``..._SUSPECT_S``, ``..._EXPECTED_FACTOR``, ``..._PROBE_TIMEOUT_S``, ``..._LEASE_S``,
+    ``..._CHECK_S``, ``..._CANARY`` and (the history in ``health_events``)
+    ``..._EVENTS_KEEP_S``, ``..._EVENTS_KEEP_ROWS`` and ``..._PRUNE_S``. Defaults (issue 14):
+    agents report every 1 s (``TANGRAM_CPU_HEARTBEAT_S`` and the like), suspect after 3 s,
+    probe timeout 2 s: a stopped agent is failed ~5 s after its last report, a pause shorter
+    than that costs nothing; an executor wedged under a live bus loop is fenced two probe
+    timeouts after it became suspect (ping, then canary), failed once its lease ran out.
+    ``TANGRAM_HEALTH_START_S`` (3 s) bounds the start phase: a member whose launches have
+    not moved for that long is suspect (a wedged launcher: failed within ~10 s of the
+    dispatch, whatever the action's timeout). Keep the agents' heartbeat under half of it:
+    a longer gap between reports restarts the window (a 2 s heartbeat with the default
+    would never let it fill)."""
 
     silent_s: float = 3.0  # no report for this long: suspect (every member)
     suspect_s: float = 3.0  # the floor of the no-progress bound (members with work)
     expected_factor: float = 2.0  # the bound is this many times the longest expected run
+    start_s: float = 3.0  # launches under way and none ended for this long: suspect
     probe_timeout_s: float = 2.0  # a suspect that does not answer its ping within: fenced
     lease_s: float = 3.0  # the agents' start lease; a fenced member fails once it ran out
     check_s: float = 0.25  # how often the shell asks the detector
+    canary: bool = True  # after its ping, a stalled suspect runs a canary (off: ping alone)
+    # health_events: transitions older than this are pruned (fenced ones of the last day are
+    # kept whatever this says: a new leader fences them again), and beyond this many rows
+    events_keep_s: float = 7 * 24 * 3600.0
+    events_keep_rows: int = 100_000
+    prune_s: float = 3600.0  # how often the leading scheduler prunes them
 
     def __post_init__(self) -> None:
         values = (self.silent_s, self.suspect_s, self.expected_factor, self.probe_timeout_s)
-        if min(*values, self.lease_s, self.check_s) <= 0:
+        kept = (self.events_keep_s, self.events_keep_rows, self.prune_s)
+        if min(*values, self.start_s, self.lease_s, self.check_s, *kept) <= 0:
             raise ValueError("TANGRAM_HEALTH_*: every bound must be positive")
 
 
 class Health(enum.StrEnum):
     HEALTHY = "healthy"
-    SUSPECT = "suspect"  # probed, answer awaited
+    SUSPECT = "suspect"  # probed (see Step), answer awaited
     FENCED = "fenced"  # did not answer: refused from now on, failed once its lease ran out
     FAILED = "failed"  # recovered: its role is the supervisor's to restart
 
 
+class Step(enum.Enum):
+    """Where a suspect's probe is: its ping awaited, then its canary."""
+
+    PING = "ping"
+    CANARY = "canary"
+
+
 @dataclass(frozen=True, slots=True)
 class Probe:
-    """Ping this member on its command subject; report :meth:`Detector.answered`."""
+    """Ping this member on its command subject (with ``canary``: have it run its canary and
+    answer once that completed); report :meth:`Detector.answered`."""
 
     node_id: str
     incarnation: str
     probe: int
+    canary: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,10 +142,15 @@ class Member:
     last_report: float
     last_progress: float  # when its counters last moved (or its window last restarted)
     counters: tuple[int, int] = (0, 0)
+    spawned: int = 0  # the start phase (see ``report``): launches ended so far
+    spawning: int = 0  # launches under way at its last report
+    last_start: float = 0.0  # when its start window last (re)started
     health: Health = Health.HEALTHY
     busy: bool = False  # work is assigned to it
     expected_s: float = 0.0  # the longest expected duration of that work
     probe: int = 0
+    step: Step = Step.PING  # a suspect: what it was asked last
+    stalled: bool = False  # a suspect for want of progress (not silence): its canary is due
     deadline: float = 0.0  # suspect: the probe's; fenced: when it fails
     why: str = ""
 
@@ -133,13 +179,24 @@ class Detector:
             m = self.members[node_id] = Member(node_id, incarnation, role, now, now)
         if m.health in (Health.FENCED, Health.FAILED):
             return []  # the shell refuses it
-        m.last_report = now
-        counters = (progress.started, progress.finished) if progress is not None else (0, 0)
+        gap, m.last_report = now - m.last_report, now
+        progress = progress or Progress()
+        counters = (progress.started, progress.finished)
         if counters != m.counters:
             m.counters, m.last_progress = counters, now
+        self._starts(m, progress, gap, now)
         if m.health is Health.SUSPECT and m.why.startswith("silent"):
+            m.last_start = now  # back from silence: a fresh start window
             return [self._set(m, Health.HEALTHY, "reported again", now)]
         return []
+
+    def _starts(self, m: Member, progress: Progress, gap: float, now: float) -> None:
+        """The start window opens when launches appear, restarts whenever one ends, and
+        after a gap in the member's reports (time it was not heard says nothing of its
+        launcher)."""
+        if not m.spawning or progress.spawned != m.spawned or gap > self.cfg.start_s / 2:
+            m.last_start = now
+        m.spawned, m.spawning = progress.spawned, progress.spawning
 
     def work(self, node_id: str, busy: bool, expected_s: float, now: float) -> None:
         """What the books assign the member: work or none, and how long it should take. Work
@@ -152,14 +209,21 @@ class Detector:
         m.busy, m.expected_s = busy, expected_s
 
     def answered(self, node_id: str, incarnation: str, probe: int, now: float) -> list[Effect]:
-        """A suspect answered its probe: it is alive; its no-progress window starts again."""
+        """A suspect answered its probe (this incarnation, this probe: an answer of another
+        incarnation of the node never counts). An answered ping asks for the canary, within
+        a probe timeout of its own; an answered canary makes it healthy: its no-progress
+        window starts again. The answered ping renews nothing else: its start lease is
+        renewed by answered reports alone, so a fenced member's deadline stays sound."""
         m = self.members.get(node_id)
         if m is None or m.incarnation != incarnation or m.health is not Health.SUSPECT:
             return []
         if m.probe != probe:
             return []
-        m.last_progress = m.last_report = now
-        return [self._set(m, Health.HEALTHY, "answered its probe", now)]
+        if m.step is Step.PING and m.stalled and self.cfg.canary:
+            return [self._ask(m, Step.CANARY, now)]
+        m.last_progress = m.last_report = m.last_start = now
+        why = "answered its ping and canary" if m.step is Step.CANARY else "answered its probe"
+        return [self._set(m, Health.HEALTHY, why, now)]
 
     def left(self, node_id: str, incarnation: str) -> None:
         """A member said goodbye: nothing more to judge."""
@@ -178,7 +242,7 @@ class Detector:
         for m in self.members.values():
             if m.health in (Health.FENCED, Health.FAILED):
                 continue
-            m.last_report = m.last_progress = now
+            m.last_report = m.last_progress = m.last_start = now
             if m.health is Health.SUSPECT:
                 effects.append(self._set(m, Health.HEALTHY, "the detector reconnected", now))
         return effects
@@ -203,12 +267,18 @@ class Detector:
         if m.health is Health.HEALTHY:
             if now - m.last_report > cfg.silent_s:
                 return self._suspect(m, f"silent for {now - m.last_report:.1f}s", now)
+            if m.spawning and now - m.last_start > cfg.start_s and self._heard(m, now):
+                why = (
+                    f"{m.spawning} launches under way and none ended for {now - m.last_start:.1f}s"
+                )
+                return self._suspect(m, why, now, stalled=True)
             if m.busy and now - m.last_progress > m.bound(cfg):
                 why = f"no progress for {now - m.last_progress:.1f}s with work assigned"
-                return self._suspect(m, why, now)
+                return self._suspect(m, why, now, stalled=True)
         elif m.health is Health.SUSPECT and now >= m.deadline:
             m.deadline = max(now, m.last_report + cfg.lease_s)
-            why = f"{m.why}; no answer to its probe within {cfg.probe_timeout_s:g}s"
+            what = "no answer to its ping" if m.step is Step.PING else "its canary did not complete"
+            why = f"{m.why}; {what} within {cfg.probe_timeout_s:g}s"
             return [self._set(m, Health.FENCED, why, now), *self._judge(m, now)]
         elif m.health is Health.FENCED and now >= m.deadline:
             del self.members[m.node_id]
@@ -218,10 +288,25 @@ class Detector:
             ]
         return []
 
-    def _suspect(self, m: Member, why: str, now: float) -> list[Effect]:
+    def _heard(self, m: Member, now: float) -> bool:
+        """Whether the member is heard now (its last report is within half the start bound):
+        time it was not heard (a pause) never fills its start window."""
+        return now - m.last_report <= self.cfg.start_s / 2
+
+    def _suspect(self, m: Member, why: str, now: float, stalled: bool = False) -> list[Effect]:
+        """Probe it. Only a stalled one runs the canary after its ping: a silent one is
+        healthy again once it reports (the ping says whether it is alive at all), and a
+        canary that queued behind calls running within their bounds (a GPU node's runner
+        threads) would fail a live node for a pause of its heartbeats."""
+        m.stalled = stalled
+        changed = self._set(m, Health.SUSPECT, why, now)
+        return [changed, self._ask(m, Step.PING, now)]
+
+    def _ask(self, m: Member, step: Step, now: float) -> Probe:
+        """A new probe (an answer to an earlier one no longer counts), due in a timeout."""
         self._probes += 1
-        m.probe, m.deadline = self._probes, now + self.cfg.probe_timeout_s
-        return [self._set(m, Health.SUSPECT, why, now), Probe(m.node_id, m.incarnation, m.probe)]
+        m.probe, m.step, m.deadline = self._probes, step, now + self.cfg.probe_timeout_s
+        return Probe(m.node_id, m.incarnation, m.probe, canary=step is Step.CANARY)
 
     def _set(self, m: Member, new: Health, why: str, now: float) -> Changed:
         old, m.health, m.why = m.health, new, why

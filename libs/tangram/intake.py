@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from typing import Any
 
 from tangram import subjects
 from tangram.bus import BaseBus
@@ -30,6 +31,7 @@ from tangram.contract import (
     encode,
 )
 from tangram.errors import TangramError, Unavailable, from_reply
+from tangram.subjects import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +43,12 @@ _Pending = tuple[Submit, "asyncio.Future[Answer]"]
 class SubmitBatcher:
     """One batch of submits in flight per client (see the module doc)."""
 
-    def __init__(self, bus: BaseBus, attempt_s: float) -> None:
+    def __init__(
+        self, bus: BaseBus, attempt_s: float, gateway: Endpoint[Any, Any] = subjects.GATEWAY
+    ) -> None:
         self.bus = bus
         self.attempt_s = attempt_s
+        self.gateway = gateway  # the client's own subject when it has a credential
         self._queue: deque[_Pending] = deque()
         self._sender: asyncio.Task[None] | None = None
 
@@ -97,7 +102,7 @@ class SubmitBatcher:
         wanted = Submitted if len(batch) > 1 else Accepted | ActionResult
         req = SubmitMany(items=tuple(r for r, _ in batch)) if len(batch) > 1 else batch[0][0]
         try:
-            reply = await self.bus.request(subjects.GATEWAY, req, timeout=self.attempt_s)
+            reply = await self.bus.request(self.gateway, req, timeout=self.attempt_s)
         except TangramError as exc:
             log.debug("a batch of %d submits got no answer: %s", len(batch), exc)
             return [exc] * len(batch)

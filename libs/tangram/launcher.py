@@ -135,6 +135,8 @@ class Mesh:
         if self.opts.dashboard and not self.dashboard_url:
             port = _if_free(self.opts.dashboard_port) or free_port()
             self.dashboard_url = f"http://127.0.0.1:{port}"
+        if self.opts.dashboard:  # its token: in the keyring, never in mesh.json (others read it)
+            auth.Keyring(state).write_dashboard_url(self.dashboard_url)
         creds["dashboard_url"] = self.dashboard_url
         write_mesh(state, self.nats_url, self.postgres_dsn, **creds)
 
@@ -146,6 +148,18 @@ class Mesh:
         agents = [("cpu_manager", i) for i in range(self.opts.nodes)]
         agents += [("quota_manager", 0), ("gpu_manager", 0)]
         return self.auth.server_config((n, self.service_env(n, i)) for n, i in agents)
+
+    @property
+    def dashboard_token(self) -> str:
+        """The token the dashboard's pages ask for (made once, kept in the keyring)."""
+        return auth.read_token(auth.Keyring(self.opts.state_dir).dashboard_token())
+
+    @property
+    def dashboard_login_url(self) -> str:
+        """The dashboard's URL with its token, as `tangram up` prints it ("": no dashboard)."""
+        return (
+            auth.login_url(self.dashboard_url, self.dashboard_token) if self.dashboard_url else ""
+        )
 
     @property
     def client_creds(self) -> Path | None:
@@ -235,6 +249,10 @@ class Mesh:
         creds = self.auth.service_creds(name, env) if self.auth is not None else None
         if creds is not None:
             env[auth.CREDS_VAR] = str(creds)
+        if name == "dashboard":  # the keyring's token, so the URL printed is the one it takes
+            env.pop("TANGRAM_DASHBOARD_TOKEN", None)
+            token = auth.Keyring(self.opts.state_dir).dashboard_token()
+            env["TANGRAM_DASHBOARD_TOKEN_FILE"] = str(token)
         if name == "reward_front":  # a client of the gateway, on the port chosen for it
             env["TANGRAM_REWARD_FRONT_PORT"] = self.reward_front_url.rpartition(":")[2] or "0"
         return env

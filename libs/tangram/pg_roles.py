@@ -19,15 +19,17 @@ once and kept, and set again on the roles at every start.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, NamedTuple
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import asyncpg
 
 from tangram import db
 from tangram.embedded import EmbeddedPostgres, ensure_passfile
+from tangram.errors import InvalidRequest
 
 OWNER: Final = "tangram_owner"
 PUBLIC_SCHEMA: Final = "public"
@@ -45,10 +47,11 @@ GRANTS: Final[Mapping[str, tuple[Grant, ...]]] = {
     "gateway": (
         # intake (gateway/store.py): new rows only; reads back an action's status and result
         Grant(
-            "INSERT (action_id, job_id, trajectory_id, kind, status, spec, submitted_at),"
-            " SELECT (action_id, status, result)",
+            "INSERT (action_id, job_id, trajectory_id, kind, status, spec, submitted_at, owner),"
+            " SELECT (action_id, status, result, owner)",
             "TABLE actions",
         ),
+        Grant("SELECT, INSERT", "TABLE trajectory_owners"),  # gateway/ownership.py
         # registrations (services_api, quotas_api): upserts, which need SELECT on the columns
         # they set as well as on the key; the quota book reads the specs
         Grant(
@@ -75,7 +78,7 @@ GRANTS: Final[Mapping[str, tuple[Grant, ...]]] = {
         Grant("SELECT, UPDATE (epoch)", "TABLE scheduler_leader"),
         Grant("USAGE", "SEQUENCE scheduler_epoch"),
         Grant("SELECT", "TABLE services, quotas"),  # reloaded at start (gpu_shell, quota_store)
-        Grant("SELECT, INSERT", "TABLE health_events"),  # scheduler/health.py
+        Grant("SELECT, INSERT, DELETE", "TABLE health_events"),  # scheduler/health.py: prune
         Grant("USAGE", "SEQUENCE health_events_id_seq"),
     ),
     "dashboard": (
@@ -111,9 +114,17 @@ class MeshRoles:
 async def provision(pg: EmbeddedPostgres, auth_dir: Path) -> MeshRoles:
     """Roles made (or their passwords set again), the schema migrated by its owner, and each
     service role granted exactly :data:`GRANTS`. Idempotent: run at every start."""
-    roles = {service: f"tangram_{service}" for service in GRANTS}
+    return await provision_at(pg.dsn, auth_dir, pg.dsn_as)
+
+
+async def provision_at(
+    admin_dsn: str, auth_dir: Path, dsn_as: Callable[[str, Path], str]
+) -> MeshRoles:
+    """:func:`provision` on any cluster (compose's: ``tangram auth postgres``), as the
+    superuser ``admin_dsn`` names; ``dsn_as(role, passfile)`` is how a service reaches it."""
+    roles = {service: role_of(service) for service in GRANTS}
     passwords = {r: ensure_passfile(passfile(auth_dir, r), r)[0] for r in roles.values()}
-    conn = await asyncpg.connect(pg.dsn)
+    conn = await asyncpg.connect(admin_dsn)
     try:
         await _make_roles(conn, passwords)
         await _adopt(conn)
@@ -125,7 +136,7 @@ async def provision(pg: EmbeddedPostgres, auth_dir: Path) -> MeshRoles:
                 await _grant(conn, role, GRANTS[service])
     finally:
         await conn.close()
-    return MeshRoles({s: pg.dsn_as(r, passfile(auth_dir, r)) for s, r in roles.items()})
+    return MeshRoles({s: dsn_as(r, passfile(auth_dir, r)) for s, r in roles.items()})
 
 
 async def _make_roles(conn: asyncpg.Connection, passwords: Mapping[str, str]) -> None:
@@ -163,3 +174,27 @@ async def _grant(conn: asyncpg.Connection, role: str, grants: tuple[Grant, ...])
     await conn.execute(f"REVOKE ALL ON ALL SEQUENCES IN SCHEMA {PUBLIC_SCHEMA} FROM {role}")
     for g in (*EVERY_ROLE, *grants):
         await conn.execute(f"GRANT {g.privileges} ON {g.on} TO {role}")
+
+
+_DSN_OWN: Final = frozenset({"user", "password", "passfile"})  # a login's, not the server's
+
+
+def dsn_as(admin_dsn: str, role: str, passfile: Path) -> str:
+    """``admin_dsn``'s server, database and options (``sslmode``...), logging in as ``role``
+    with the password kept in ``passfile``: the admin's user and password left out."""
+    url = urlsplit(admin_dsn)
+    if url.scheme not in ("postgresql", "postgres") or not url.hostname:
+        raise InvalidRequest(
+            "the admin DSN must be a postgresql://USER:PASSWORD@HOST[:PORT]/DB URL naming a host"
+        )
+    host = url.netloc.rpartition("@")[2]
+    query = [(k, v) for k, v in parse_qsl(url.query) if k not in _DSN_OWN]
+    query.append(("passfile", str(passfile)))
+    return urlunsplit(
+        ("postgresql", f"{quote(role)}@{host}", url.path, urlencode(query, safe="/"), "")
+    )
+
+
+def role_of(service: str) -> str:
+    """The Postgres role ``service`` logs in as (a service of :data:`GRANTS`)."""
+    return f"tangram_{service}"

@@ -30,6 +30,7 @@ from tangram.contract import (
     StatusQuery,
     Submitted,
 )
+from tangram.contract.beats import ServiceBeat
 from tangram.contract.spans import SpanBatch
 from tangram.contract.state import Prefetch
 
@@ -39,13 +40,16 @@ Rep = TypeVar("Rep")
 PREFIX: Final = "tangram.v1"
 RESULTS_PREFIX: Final = f"{PREFIX}.results"
 SCHED_NODES_PREFIX: Final = f"{PREFIX}.sched.nodes"
+GATEWAY_PREFIX: Final = f"{PREFIX}.gateway"
+# an admin client asks here (see admin_of): mesh-wide registrations too
+ADMIN_PREFIX: Final = f"{PREFIX}.admin"
 
 GATEWAY_QUEUE: Final = "gateway"
 SCHEDULER_QUEUE: Final = "scheduler"
 
 # What the gateway answers (besides ErrorReply); what the scheduler answers on its action subject.
 GatewayAnswer = Accepted | ActionResult | Pending | Done | Services | Quotas | Submitted
-SchedulerAnswer = Ack | SchedulerStatus | Services | Resources
+SchedulerAnswer = Ack | Services
 # The read-only questions the scheduler answers on its status subject, and its answers.
 StatusRequest = StatusQuery | ResourcesQuery
 StatusAnswer = SchedulerStatus | Resources
@@ -66,8 +70,17 @@ class Endpoint(Generic[Req, Rep]):
     queue: str = ""
 
 
+# The operator's door (and, on a mesh without auth, every client's): its requests have no owner.
 GATEWAY: Final = Endpoint[GatewayRequest, GatewayAnswer](
-    f"{PREFIX}.gateway", GatewayRequest, GatewayAnswer, GATEWAY_QUEUE
+    GATEWAY_PREFIX, GatewayRequest, GatewayAnswer, GATEWAY_QUEUE
+)
+# What the gateway serves of the clients: each client's own subject (see gateway_of).
+GATEWAY_CLIENTS: Final = Endpoint[GatewayRequest, GatewayAnswer](
+    f"{GATEWAY_PREFIX}.*", GatewayRequest, GatewayAnswer, GATEWAY_QUEUE
+)
+# ... and each admin client's own admin subject (see admin_of).
+GATEWAY_ADMINS: Final = Endpoint[GatewayRequest, GatewayAnswer](
+    f"{ADMIN_PREFIX}.*", GatewayRequest, GatewayAnswer, GATEWAY_QUEUE
 )
 SCHED_ACTIONS: Final = Endpoint[SchedulerRequest, SchedulerAnswer](
     f"{PREFIX}.sched.actions", SchedulerRequest, SchedulerAnswer, SCHEDULER_QUEUE
@@ -86,6 +99,11 @@ SCHED_PRESSURE: Final = Endpoint[Pressure, None](f"{PREFIX}.sched.pressure", Pre
 SPANS: Final = Endpoint[SpanBatch, None](f"{PREFIX}.spans", SpanBatch, None, "dashboard")
 # A command (Reconcile) to every node agent: no queue group, so each agent gets it.
 NODES_BROADCAST: Final = Endpoint[NodeCommand, Ack](f"{PREFIX}.nodes.all", NodeCommand, Ack)
+# Heartbeats of the gateways and the schedulers (leader and standbys), fire-and-forget, to
+# every scheduler that listens (the leader): one subject per role, so the broker lets a role's
+# credential beat for that role alone (see auth.ROUTES).
+GATEWAY_BEATS: Final = Endpoint[ServiceBeat, None](f"{PREFIX}.beats.gateway", ServiceBeat, None)
+SCHEDULER_BEATS: Final = Endpoint[ServiceBeat, None](f"{PREFIX}.beats.scheduler", ServiceBeat, None)
 
 
 def sched_node(node_id: str) -> Endpoint[NodeMessage, Ack]:
@@ -93,6 +111,24 @@ def sched_node(node_id: str) -> Endpoint[NodeMessage, Ack]:
     its own, so the broker lets a node's credential speak for that node alone."""
     return Endpoint[NodeMessage, Ack](
         f"{SCHED_NODES_PREFIX}.{node_id}", NodeMessage, Ack, SCHEDULER_QUEUE
+    )
+
+
+def gateway_of(client_id: str) -> Endpoint[GatewayRequest, GatewayAnswer]:
+    """Where the client credential ``client_id`` asks the gateway: a subject of its own, so
+    the broker lets a client speak for itself alone and the gateway knows who asks (the
+    owner of what it submits) without trusting the message."""
+    return Endpoint[GatewayRequest, GatewayAnswer](
+        f"{GATEWAY_PREFIX}.{client_id}", GatewayRequest, GatewayAnswer, GATEWAY_QUEUE
+    )
+
+
+def admin_of(client_id: str) -> Endpoint[GatewayRequest, GatewayAnswer]:
+    """Where the admin client ``client_id`` asks the gateway: as :func:`gateway_of`, and the
+    broker lets only admin credentials publish here, so a request heard here may change the
+    whole mesh (register a model service, set a quota)."""
+    return Endpoint[GatewayRequest, GatewayAnswer](
+        f"{ADMIN_PREFIX}.{client_id}", GatewayRequest, GatewayAnswer, GATEWAY_QUEUE
     )
 
 

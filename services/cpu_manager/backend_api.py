@@ -79,6 +79,14 @@ class Backend(Protocol):
 
 
 @runtime_checkable
+class Canaried(Protocol):
+    """A backend that can run the health detector's canary (see ``tangram.agent.Canaries``)."""
+
+    async def canary(self) -> None:
+        """Run a trivial command through the path actions take; return once it completed."""
+
+
+@runtime_checkable
 class Tiered(Protocol):
     """A backend that moves idle environments to disk (the Docker backend)."""
 

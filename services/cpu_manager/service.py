@@ -16,12 +16,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from services.cpu_manager import config, inventory
-from services.cpu_manager.backend_api import Backend, ExecRequest, Tiered
+from services.cpu_manager.backend_api import Backend, Canaried, ExecRequest, Tiered
 from services.cpu_manager.choice import make_backend
 from services.cpu_manager.config import CpuManagerConfig
 from services.cpu_manager.dop import substitute_dop
 from services.cpu_manager.outcome import to_outcome
-from tangram.agent import Agent, AgentConfig
+from tangram.agent import Agent, AgentConfig, Launches, Starts
 from tangram.bus import BaseBus, open_bus
 from tangram.config import MeshConfig
 from tangram.contract import Dispatch, ErrorKind, ExecAction, Inventory, Outcome, kind_of
@@ -54,6 +54,8 @@ class CpuExecutor:
     def __init__(self, cfg: CpuManagerConfig, backend: Backend) -> None:
         self.cfg = cfg
         self.backend = backend
+        # the backend's launches, reported for the health detector (``tangram.agent.starts``)
+        self.starts = backend.starts if isinstance(backend, Launches) else Starts()
 
     async def start(self) -> Inventory:
         await self.backend.start()
@@ -79,6 +81,11 @@ class CpuExecutor:
 
     async def kill(self, action_id: str) -> None:
         await self.backend.kill(action_id)
+
+    async def canary(self) -> None:
+        """The health detector's canary, through the backend actions run on."""
+        if isinstance(self.backend, Canaried):
+            await self.backend.canary()
 
     async def drop_env(self, trajectory_id: str) -> None:
         await self.backend.drop_env(trajectory_id)

@@ -10,6 +10,8 @@ from urllib.parse import quote
 from services.dashboard import act
 from services.dashboard.queries import ActionDetail, ActionQuery, ActionRow, Event, Live
 from services.dashboard.waterfall import Bar, Waterfall
+from tangram import beats
+from tangram.contract import SchedulerStatus
 
 STYLE = """
 body{font:14px system-ui,sans-serif;margin:0;color:#222}
@@ -173,6 +175,22 @@ def _bar(b: Bar, t0: float, span: float) -> str:
     )
 
 
+NODE_HEADER = (
+    *("NODE", "CORES IN USE", "CORES", "GPUS IN USE", "FREE MiB", "ENVS"),
+    *("HEALTH", "PHASE", "LAST PROGRESS"),  # the health detector's judgement
+)
+
+
+def _ago(s: float | None) -> str:
+    return "" if s is None else f"{s:.1f} s ago"
+
+
+def _services(st: SchedulerStatus) -> str:
+    """The gateways and schedulers, as the leader last heard their heartbeats."""
+    rows = [[escape(c) for c in beats.cells(r)] for r in st.service_rows]
+    return "<h3>Services</h3>" + table(beats.COLUMNS, rows, "services")
+
+
 def live_page(live: Live) -> str:
     parts = [f"<p class='err' data-testid='live-error'>{escape(e)}</p>" for e in live.errors]
     st = live.status
@@ -182,10 +200,11 @@ def live_page(live: Live) -> str:
             f"{escape(st.policy)}: {st.nodes} node(s), {st.queued} queued, "
             f"{st.running} running, {st.envs} environment(s)</p>"
         )
+        parts.append(_services(st))
         parts.append(
             "<h3>Nodes</h3>"
             + table(
-                ["NODE", "CORES IN USE", "CORES", "GPUS IN USE", "FREE MiB", "ENVS", ""],
+                NODE_HEADER,
                 [
                     [
                         escape(n.node_id),
@@ -194,7 +213,9 @@ def live_page(live: Live) -> str:
                         f"{n.gpus - n.free_gpus}/{n.gpus}" if n.gpus else "",
                         f"{n.free_memory_mb}/{n.memory_mb}",
                         str(n.envs),
-                        "draining" if n.draining else "",
+                        escape(n.health),
+                        escape(n.phase or ("draining" if n.draining else "")),
+                        _ago(n.last_progress_s),
                     ]
                     for n in st.node_rows
                 ],

@@ -1,6 +1,7 @@
 """The dashboard's shell: stores the spans every service ships, and serves the pages.
 
-One port (``TANGRAM_DASHBOARD_HOST``/``_PORT``, loopback by default); the span subscription
+One port (``TANGRAM_DASHBOARD_HOST``/``_PORT``, loopback by default), every page behind a
+token (``TANGRAM_DASHBOARD_TOKEN`` or ``_TOKEN_FILE``: see guard.py); the span subscription
 joins the ``dashboard`` queue group, so a second dashboard never writes a span twice.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -20,7 +22,7 @@ from services.dashboard import config
 from services.dashboard import web as routes
 from services.dashboard.config import DashboardConfig
 from services.dashboard.spans import SpanWriter
-from tangram import db, subjects
+from tangram import auth, db, subjects
 from tangram.bus import BaseBus, open_bus
 from tangram.config import MeshConfig
 from tangram.contract.spans import SpanBatch
@@ -45,7 +47,8 @@ class Dashboard(Service):
         self.bus = bus
         self.pool = pool
         self.writer = SpanWriter(cfg, pool, clock)
-        self._runner = web.AppRunner(routes.app(pool, bus), access_log=None)
+        self.token, self._made = token_of(cfg)
+        self._runner = web.AppRunner(routes.app(pool, bus, self.token), access_log=None)
         self.url = ""
 
     async def on_start(self) -> None:
@@ -62,7 +65,16 @@ class Dashboard(Service):
             ) from exc
         port = self._runner.addresses[0][1] if self._runner.addresses else self.cfg.port
         self.url = f"http://{self.cfg.host}:{port}"
-        log.info("dashboard on %s", self.url)
+        if self._made:  # no one else knows it: say it where the operator started this
+            log.warning(
+                "dashboard on %s (no TANGRAM_DASHBOARD_TOKEN or _TOKEN_FILE: a token for this"
+                " run only)",
+                auth.login_url(self.url, self.token),
+            )
+        else:
+            log.info(
+                "dashboard on %s (its token: TANGRAM_DASHBOARD_TOKEN or _TOKEN_FILE)", self.url
+            )
 
     async def on_spans(self, batch: SpanBatch, msg: Msg) -> None:
         self.writer.add(batch.spans)
@@ -72,6 +84,16 @@ class Dashboard(Service):
         await self._runner.cleanup()
         with contextlib.suppress(Exception):  # trace detail: never blocks a stop
             await self.writer.flush()
+
+
+def token_of(cfg: DashboardConfig) -> tuple[str, bool]:
+    """The token the pages ask for, and whether it was made here (none was configured); a
+    token file named but unreadable stops the start (its error says which file)."""
+    if cfg.token:
+        return cfg.token, False
+    if cfg.token_file:
+        return auth.read_token(cfg.token_file), False
+    return secrets.token_urlsafe(32), True
 
 
 async def build(

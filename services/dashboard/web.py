@@ -1,4 +1,5 @@
-"""The dashboard's routes: pages for people, the same data as JSON under ``/api``.
+"""The dashboard's routes: pages for people, the same data as JSON under ``/api``; every one
+behind the dashboard's token (:mod:`services.dashboard.guard`).
 
 Query parameters decode into typed Structs (unknown or bad ones answer 400 naming the
 problem); an unknown path answers 404; a failure behind a page answers 503 or 500 with its
@@ -8,7 +9,6 @@ reason. Nothing a request carries stops the server.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -16,7 +16,7 @@ import asyncpg
 import msgspec
 from aiohttp import web
 
-from services.dashboard import pages, queries
+from services.dashboard import guard, pages, queries
 from services.dashboard.queries import ActionQuery, ActQuery
 from tangram import db
 from tangram.bus import BaseBus
@@ -24,14 +24,15 @@ from tangram.bus import BaseBus
 log = logging.getLogger(__name__)
 
 Q = TypeVar("Q", bound=msgspec.Struct)
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Handler = guard.Handler
 
 POOL = web.AppKey("pool", asyncpg.Pool)
 BUS = web.AppKey("bus", BaseBus)
 
 
-def app(pool: asyncpg.Pool, bus: BaseBus) -> web.Application:
-    application = web.Application(middlewares=[errors])
+def app(pool: asyncpg.Pool, bus: BaseBus, token: str) -> web.Application:
+    """The routes, each asking for ``token`` first (even a 404 is for a holder of it)."""
+    application = web.Application(middlewares=[guard.Guard(token).middleware, errors])
     application[POOL] = pool
     application[BUS] = bus
     application.add_routes(

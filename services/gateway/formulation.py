@@ -59,20 +59,24 @@ def check_exec(action: ExecAction) -> None:
             raise InvalidRequest(f"invalid environment variable name or value: {name!r}")
 
 
-def check_reply_subject(subject: str) -> None:
+def check_reply_subject(subject: str, owner: str = "") -> None:
     """A client names where its results are pushed, and the scheduler publishes there with
     the rights of the mesh: so only a literal subject under the results prefix, where the
     broker lets a client read its own (``tangram.v1.results.<id>[.<more>]``, see
-    ``tangram.auth``), never a subject the services listen on. Empty: no push wanted."""
+    ``tangram.auth``), never a subject the services listen on. A request of the client
+    credential ``owner`` names a subject under its own results id alone
+    (``tangram.v1.results.<owner>.<more>``): one client must not have its results pushed to
+    another. Empty: no push wanted."""
     if not subject:
         return
-    prefix = subjects.RESULTS_PREFIX.split(".")
+    base = subjects.results(owner) if owner else subjects.RESULTS_PREFIX
+    prefix = base.split(".")
     tokens = subject.split(".")
     under = tokens[: len(prefix)] == prefix and len(tokens) > len(prefix)
     if not under or not all(tokens) or "*" in subject or ">" in subject:
         raise InvalidRequest(
             f"reply_subject {subject!r} is refused: results are pushed only to a subject"
-            f" {subjects.RESULTS_PREFIX}.<id>[.<more>] (no wildcards, no empty tokens)",
+            f" {base}.<{'more' if owner else 'id'}>[.<more>] (no wildcards, no empty tokens)",
             hint="leave reply_subject unset, or use the one the client library names",
         )
 
@@ -85,10 +89,12 @@ def formulate(
     reply_subject: str = "",
     traceparent: str = "",
     quotas: Mapping[str, QuotaSpec] | None = None,
+    owner: str = "",
 ) -> UnifiedAction:
     """Validate ``spec`` and build its unified action (cost vector, key resource); http and
-    lease actions against the declared ``quotas``."""
-    check_reply_subject(reply_subject)
+    lease actions against the declared ``quotas``. ``owner``: the client credential asking
+    ("": the operator's door, or a mesh without auth)."""
+    check_reply_subject(reply_subject, owner)
     if quota_of(spec) is not None:
         return formulate_quota(
             spec, quotas or {}, now=now, reply_subject=reply_subject, traceparent=traceparent

@@ -43,7 +43,7 @@ async def register(
 
 async def resources(bus: BaseBus) -> Resources:
     """Services and quotas as the scheduler sees them now."""
-    reply = await bus.request(subjects.SCHED_ACTIONS, ResourcesQuery(), timeout=QUERY_TIMEOUT_S)
+    reply = await bus.request(subjects.SCHED_STATUS, ResourcesQuery(), timeout=QUERY_TIMEOUT_S)
     if not isinstance(reply, Resources):
         raise InternalError(f"the scheduler answered a resources query with {type(reply).__name__}")
     return reply

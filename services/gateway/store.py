@@ -9,8 +9,48 @@ import asyncpg
 
 from tangram.contract import ActionResult, UnifiedAction, codec, encode, kind_of
 
-# No 'queued' event row: the action row's submitted_at is that transition.
+# No 'queued' event row: the action row's submitted_at is that transition. A client's first
+# action in a trajectory claims it (an owner of '' claims none and may use any: the operator's
+# door, or a mesh without auth); an action in a trajectory another client claimed is not
+# inserted, and comes back refused (``allowed`` false, ``n`` its place in the batch: a refused
+# copy and an inserted one may share an action id). The inserted rows come back with the owner
+# that was stored, so a batch holding one action id twice knows whose copy won.
 _INSERT = """
+WITH input AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[],
+                         $6::float8[], $7::text[]) WITH ORDINALITY
+        AS t(action_id, job_id, trajectory_id, kind, spec, submitted_at, owner, n)
+), claimed AS (
+    INSERT INTO trajectory_owners (trajectory_id, owner)
+    SELECT DISTINCT ON (trajectory_id) trajectory_id, owner FROM input
+    WHERE owner <> '' AND trajectory_id <> ''
+    ON CONFLICT (trajectory_id) DO NOTHING
+    RETURNING trajectory_id, owner
+), owners AS (
+    SELECT trajectory_id, owner FROM claimed
+    UNION ALL
+    SELECT o.trajectory_id, o.owner FROM trajectory_owners o
+    WHERE o.trajectory_id IN (SELECT trajectory_id FROM input WHERE owner <> '')
+), checked AS (
+    SELECT i.*, (i.owner = '' OR i.trajectory_id = '' OR EXISTS (
+        SELECT 1 FROM owners o WHERE o.trajectory_id = i.trajectory_id AND o.owner = i.owner
+    )) AS allowed FROM input i
+), ins AS (
+    INSERT INTO actions (action_id, job_id, trajectory_id, kind, status, spec, submitted_at,
+                         owner)
+    SELECT action_id, job_id, trajectory_id, kind, 'queued', spec, submitted_at, owner
+    FROM checked WHERE allowed
+    ON CONFLICT (action_id) DO NOTHING
+    RETURNING action_id, owner
+)
+SELECT action_id, owner, true AS allowed, NULL::bigint AS n FROM ins
+UNION ALL
+SELECT action_id, owner, false, n FROM checked WHERE NOT allowed
+"""
+
+# A batch with no owner at all (a mesh without auth, the operator's door) claims nothing and
+# checks nothing: the intake statement as it was before owners, at its cost.
+_INSERT_ANON = """
 WITH input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[],
                          $6::float8[])
@@ -21,23 +61,40 @@ WITH input AS (
     ON CONFLICT (action_id) DO NOTHING
     RETURNING action_id
 )
-SELECT action_id FROM ins
+SELECT action_id, '' AS owner, true AS allowed, NULL::bigint AS n FROM ins
 """
 
-_EXISTING = "SELECT action_id, status, result FROM actions WHERE action_id = ANY($1::text[])"
+_EXISTING = "SELECT action_id, status, result, owner FROM actions WHERE action_id = ANY($1::text[])"
 
 
 @dataclass(frozen=True, slots=True)
 class Intake:
-    """Outcome of one submit: new, or a duplicate with the stored status (and result)."""
+    """Outcome of one submit: new, or a duplicate with the stored status (and result) and
+    owner, or refused (``foreign``: its trajectory is another client's)."""
 
     action_id: str
     duplicate: bool
     status: str = "queued"
     result: ActionResult | None = None
+    owner: str = ""
+    foreign: bool = False
+
+    @property
+    def new(self) -> bool:
+        """Made durable now: to hand to the scheduler."""
+        return not self.duplicate and not self.foreign
 
 
-def _columns(actions: Sequence[UnifiedAction]) -> list[list[object]]:
+@dataclass(frozen=True, slots=True)
+class Owned:
+    """An action to make durable, and the client credential that submitted it ("": none)."""
+
+    action: UnifiedAction
+    owner: str
+
+
+def _columns(items: Sequence[Owned]) -> list[list[object]]:
+    actions = [i.action for i in items]
     return [
         [a.spec.action_id for a in actions],
         [a.spec.job_id for a in actions],
@@ -45,6 +102,7 @@ def _columns(actions: Sequence[UnifiedAction]) -> list[list[object]]:
         [kind_of(a.spec.action) for a in actions],
         [encode(a) for a in actions],
         [a.submitted_at for a in actions],
+        [i.owner for i in items],
     ]
 
 
@@ -52,46 +110,92 @@ def decode_result(raw: bytes | None) -> ActionResult | None:
     return None if raw is None else codec.decode(raw, ActionResult)
 
 
-def _first_copies(actions: Sequence[UnifiedAction], inserted: set[str]) -> list[bool]:
-    """For each action: True when it is the copy that was inserted now."""
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """What one intake statement did: the owner stored for each action id inserted, and the
+    places in the batch of the actions refused (their trajectory is another client's)."""
+
+    inserted: dict[str, str]
+    refused: set[int]
+
+
+async def _statement(conn: asyncpg.Connection, items: Sequence[Owned]) -> _Outcome:
+    columns = _columns(items)
+    owned = any(i.owner for i in items)
+    rows = await conn.fetch(*((_INSERT, *columns) if owned else (_INSERT_ANON, *columns[:-1])))
+    inserted = {r["action_id"]: r["owner"] for r in rows if r["allowed"]}
+    return _Outcome(inserted, {r["n"] - 1 for r in rows if not r["allowed"]})
+
+
+async def _intake(conn: asyncpg.Connection, items: Sequence[Owned]) -> _Outcome:
+    """The intake statement, and once more for the actions it refused, if any: a statement
+    reads the claims committed before it began, so a first action of the same client in the
+    same trajectory, committed by another batch (another gateway) while it waited on that
+    claim, is refused by it and found by the next. One round trip unless some are refused."""
+    first = await _statement(conn, items)
+    if not first.refused:
+        return first
+    places = sorted(first.refused)
+    again = await _statement(conn, [items[p] for p in places])
+    inserted = first.inserted | again.inserted
+    return _Outcome(inserted, {places[p] for p in again.refused})
+
+
+def _first_copies(items: Sequence[Owned], done: _Outcome) -> list[bool]:
+    """For each item: True when it is the copy inserted now (the first not refused of those
+    with the id and owner that were stored; which copy the database kept is its answer)."""
     seen: set[str] = set()
     new = []
-    for a in actions:
-        aid = a.spec.action_id
-        new.append(aid in inserted and aid not in seen)
-        seen.add(aid)
+    for place, item in enumerate(items):
+        aid = item.action.spec.action_id
+        first = place not in done.refused and done.inserted.get(aid) == item.owner
+        new.append(first and aid not in seen)
+        if first:
+            seen.add(aid)
     return new
 
 
-async def insert_actions(
-    conn: asyncpg.Connection, actions: Sequence[UnifiedAction]
-) -> list[Intake]:
-    """Make a batch durable in one statement; duplicates (by action_id) are not re-inserted."""
-    rows = await conn.fetch(_INSERT, *_columns(actions))
-    new = _first_copies(actions, {r["action_id"] for r in rows})
-    dup_ids = [a.spec.action_id for a, n in zip(actions, new, strict=True) if not n]
-    existing = {}
-    if dup_ids:
-        existing = {r["action_id"]: r for r in await conn.fetch(_EXISTING, dup_ids)}
+async def insert_actions(conn: asyncpg.Connection, items: Sequence[Owned]) -> list[Intake]:
+    """Make a batch durable in one statement; duplicates (by action_id) are not re-inserted,
+    actions in another client's trajectory are refused."""
+    done = await _intake(conn, items)
+    new = _first_copies(items, done)
+    dup_ids = [
+        i.action.spec.action_id
+        for place, (i, n) in enumerate(zip(items, new, strict=True))
+        if not n and place not in done.refused and i.action.spec.action_id not in done.inserted
+    ]
+    existing = {r["action_id"]: r for r in await conn.fetch(_EXISTING, dup_ids)} if dup_ids else {}
     out = []
-    for a, is_new in zip(actions, new, strict=True):
-        aid = a.spec.action_id
+    for place, (item, is_new) in enumerate(zip(items, new, strict=True)):
+        aid = item.action.spec.action_id
         row = existing.get(aid)
-        if is_new or row is None:
-            out.append(Intake(aid, duplicate=not is_new))
+        if place in done.refused:
+            out.append(Intake(aid, duplicate=False, foreign=True))
+        elif is_new or row is None:  # new, or a copy of one inserted now: whose it is
+            out.append(Intake(aid, duplicate=not is_new, owner=done.inserted.get(aid, "")))
         else:
-            out.append(Intake(aid, True, row["status"], decode_result(row["result"])))
+            result = decode_result(row["result"])
+            out.append(Intake(aid, True, row["status"], result, row["owner"]))
     return out
 
 
-async def fetch_result(
-    pool: asyncpg.Pool, action_id: str
-) -> tuple[str, ActionResult | None] | None:
-    """(status, result) of an action, or None when it does not exist."""
-    row = await pool.fetchrow("SELECT status, result FROM actions WHERE action_id = $1", action_id)
+async def fetch_result(pool: asyncpg.Pool, action_id: str) -> Existing | None:
+    """An action's status, result and owner, or None when it does not exist."""
+    row = await pool.fetchrow(
+        "SELECT status, result, owner FROM actions WHERE action_id = $1", action_id
+    )
     if row is None:
         return None
-    return row["status"], decode_result(row["result"])
+    return Existing(row["status"], decode_result(row["result"]), row["owner"])
+
+
+async def trajectory_owner(pool: asyncpg.Pool, trajectory_id: str) -> str | None:
+    """The client that claimed ``trajectory_id`` (None: no client has)."""
+    found: str | None = await pool.fetchval(
+        "SELECT owner FROM trajectory_owners WHERE trajectory_id = $1", trajectory_id
+    )
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +204,12 @@ class Existing:
 
     status: str
     result: ActionResult | None
+    owner: str = ""
 
 
 async def fetch_existing(pool: asyncpg.Pool, action_ids: Sequence[str]) -> dict[str, Existing]:
     """Those of ``action_ids`` that are stored, in one statement (admission's duplicates)."""
     rows = await pool.fetch(_EXISTING, list(action_ids))
-    return {r["action_id"]: Existing(r["status"], decode_result(r["result"])) for r in rows}
+    return {
+        r["action_id"]: Existing(r["status"], decode_result(r["result"]), r["owner"]) for r in rows
+    }

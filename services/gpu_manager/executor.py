@@ -38,6 +38,7 @@ from services.gpu_manager.residency import Grant, Residency, snapshot
 from services.gpu_manager.state.manager import StateManager
 from services.gpu_manager.state.tiers import TierFull
 from tangram import metrics
+from tangram.agent import Launch, Starts
 from tangram.chunks import Chunk, chunk_of
 from tangram.contract import (
     Ack,
@@ -92,6 +93,9 @@ class GpuExecutor:
         self._runner: concurrent.futures.ThreadPoolExecutor | None = None
         self.state = StateManager(cfg.state())
         self.prefetcher = Prefetcher(self, enabled=cfg.prefetch)
+        # Launches for the health detector: a granted batch until its runner thread takes
+        # it up. Its restore comes after (in the runner): progress of its own, no launch.
+        self.starts = Starts()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -111,6 +115,15 @@ class GpuExecutor:
 
     def describe(self) -> str:
         return self.devices.describe()
+
+    async def canary(self) -> None:
+        """The health detector's canary: a no-op on the runner threads model calls run on. It
+        takes no chunk and waits only for a thread: it is asked of a node none of whose calls
+        finished within twice the longest's expected duration, or whose granted batch has not
+        entered a runner thread for the start bound, so every thread it could wait for is
+        held past its bound (a wedged call); a node with a thread free answers at once."""
+        if self._runner is not None:
+            await asyncio.get_running_loop().run_in_executor(self._runner, _noop)
 
     async def close(self) -> None:
         await self.prefetcher.close()
@@ -282,13 +295,16 @@ class GpuExecutor:
         for p in grant.evict:
             self.catalog.loaded.pop(p, None)  # no write-back: the host copy is invariant
         resident = self.catalog.loaded.get(grant.placement)
+        launch = self.starts.begin(len(batch.calls))
         try:
             done = await loop.run_in_executor(
-                self._runner, self._work, grant, entry, resident, batch
+                self._runner, self._work, grant, entry, resident, batch, launch
             )
         except Exception as exc:  # the restore failed (out of memory, a lost device)
             log.warning("restore of %s failed", grant.placement, exc_info=True)
             done = Pass(0.0, None, _restore_failed(batch, exc))
+        finally:
+            launch.done()
         restored = None if resident is not None else done.resident is not None
         service = grant.placement.service
         metrics.gpu_pass(self.cfg.node_id, service, len(grant.evict), restored, done.restore_s)
@@ -340,9 +356,12 @@ class GpuExecutor:
         oom = [Output(o.call_id, error=why, fault="oom") for o in done.outs]
         return Pass(done.restore_s, None, oom, done.held)
 
-    def _work(self, grant: Grant, entry: Prepared, resident: Resident | None, batch: Batch) -> Pass:
+    def _work(
+        self, grant: Grant, entry: Prepared, resident: Resident | None, batch: Batch, launch: Launch
+    ) -> Pass:
         """In a worker thread: restore if not ``resident``, run the batch, measure what the
         service holds on the device after it. The caller keeps the copy."""
+        launch.done()  # the calls entered the runner
         restore_s, found = 0.0, "device"
         if resident is None:
             t0 = time.perf_counter()
@@ -433,6 +452,10 @@ class Pass:
     outs: list[Output]
     held: int = 0
     found: str = ""
+
+
+def _noop() -> None:
+    """The canary's work (see :meth:`GpuExecutor.canary`)."""
 
 
 def _peak_reset(device: torch.device) -> int:  # pragma: no cover - needs a GPU

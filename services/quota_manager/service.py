@@ -27,7 +27,7 @@ from services.quota_manager import config
 from services.quota_manager.config import QuotaManagerConfig
 from services.quota_manager.http import AddressRefused, Call, Sent, Upstream
 from tangram import metrics
-from tangram.agent import Agent, AgentConfig
+from tangram.agent import Agent, AgentConfig, Launch, Starts
 from tangram.bus import BaseBus, open_bus
 from tangram.config import MeshConfig
 from tangram.contract import (
@@ -62,6 +62,10 @@ class HttpExecutor:
         self.environ = environ
         self.clock = clock
         self._calls: dict[str, asyncio.Task[Outcome]] = {}
+        # Launches for the health detector: a call until it is handed to the HTTP client. Not
+        # until its request is sent: the wait for a connection slot (others hold) and the
+        # connect (the upstream's, bounded by its own timeout) are no launch.
+        self.starts = Starts()
 
     async def start(self) -> Inventory:
         return Inventory(kind="quota", backend="http")
@@ -80,11 +84,15 @@ class HttpExecutor:
             return self._failed(ErrorKind.INVALID_REQUEST, str(exc), started)
         aid = dispatch.action.spec.action_id
         sent = Sent(self.clock)  # a killed call may have gone out too
-        task = asyncio.get_running_loop().create_task(self._call(call, key, timeout_s, sent))
+        launch = self.starts.begin()
+        task = asyncio.get_running_loop().create_task(
+            self._call(call, key, timeout_s, sent, launch)
+        )
         self._calls[aid] = task
         try:
             await asyncio.wait([task])
         finally:
+            launch.done()
             self._calls.pop(aid, None)
             task.cancel()
         if task.cancelled():
@@ -100,6 +108,13 @@ class HttpExecutor:
         quota = dispatch.quota.name if dispatch.quota is not None else ""
         metrics.quota_call(quota, status, outcome.tokens_used)
         return outcome
+
+    async def canary(self) -> None:
+        """The health detector's canary: a no-op on the thread pool that resolves the calls'
+        hosts (``aiohttp.ThreadedResolver``: the loop's default executor). The calls
+        themselves run on the event loop, which the ping proved; no connection slot is
+        taken (the calls holding them all make progress or time out)."""
+        await asyncio.get_running_loop().run_in_executor(None, _noop)
 
     async def kill(self, action_id: str) -> None:
         task = self._calls.get(action_id)
@@ -143,9 +158,12 @@ class HttpExecutor:
             )
         return key
 
-    async def _call(self, call: Call, key: str, timeout_s: float, sent: Sent) -> Outcome:
+    async def _call(
+        self, call: Call, key: str, timeout_s: float, sent: Sent, launch: Launch
+    ) -> Outcome:
         """The call's facts; ``started_at`` is when its request went out (if it never did,
         when the attempt began)."""
+        launch.done()  # handed to the HTTP client now
         began = self.clock()
         outcome = await self._fetch(call, key, timeout_s, sent)
         started = began if sent.at is None else sent.at
@@ -170,6 +188,10 @@ class HttpExecutor:
 
     def _failed(self, kind: ErrorKind, detail: str, started: float) -> Outcome:
         return Outcome(failure=kind, detail=detail, started_at=started, finished_at=self.clock())
+
+
+def _noop() -> None:
+    """The canary's work (see :meth:`HttpExecutor.canary`)."""
 
 
 def _failure(kind: ErrorKind, detail: str) -> Outcome:

@@ -38,6 +38,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lead_check_s: PositiveFloat = 1.0  # the leader checks its lead lock this often
     lead_lost_s: PositiveFloat = 5.0  # without its lead lock this long, a leader stops
     standby_wait_s: PositiveFloat = 30.0  # a standby re-issues its wait for the lock this often
+    # a standby cut off from Postgres contends once the lock stayed free this long (leadership)
+    standby_grace_s: PositiveFloat = 3.0
     core: CoreConfig = CoreConfig()
     health: HealthConfig = HealthConfig()
 
@@ -57,7 +59,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return parse_policy(self.policy)
 
     def lead_config(self) -> LeadConfig:
-        return LeadConfig(self.lead_check_s, self.lead_lost_s, self.standby_wait_s)
+        return LeadConfig(
+            self.lead_check_s, self.lead_lost_s, self.standby_wait_s, self.standby_grace_s
+        )
 
     def quota_config(self) -> QuotaConfig:
         """The quota core's settings: the node core's timings, and the job weights."""

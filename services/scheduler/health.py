@@ -8,7 +8,8 @@ a separate process would cost a process and add a "node failed" message that cou
 What it does: feeds reports and the books' workload to the detector, pings suspects on their
 own command subject, refuses reports of a fenced incarnation (so its start lease lapses),
 hands failures to the core, and records every transition in Postgres (``health_events``), as
-a span and in the log. Losing the broker pauses judgement (see ``tangram.health``).
+a span and in the log. Losing the broker pauses judgement (see ``tangram.health``). The
+leader alone bounds that history (:func:`prune`, a task of its own every ``prune_s``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 RECORDS_HELD = 10_000  # transitions kept for Postgres while it is away
 WRITE_TIMEOUT_S = 5.0
+PRUNE_FIRST_S = 60.0  # the first pruning after this scheduler leads (then every prune_s)
 
 Apply = Callable[[list[Effect]], Awaitable[None]]
 
@@ -46,10 +48,40 @@ SELECT * FROM unnest($1::timestamptz[], $2::text[], $3::text[], $4::text[], $5::
                      $6::text[], $7::text[])
 """
 
-_FENCED = """
+# How long a fenced incarnation is fenced again by a new leader (``restore``); pruning keeps
+# those rows whatever its bounds say.
+FENCED_WINDOW = "interval '1 day'"
+
+_FENCED = f"""
 SELECT DISTINCT node_id, incarnation FROM health_events
-WHERE new_state IN ('fenced', 'failed') AND at > now() - interval '1 day'
+WHERE new_state IN ('fenced', 'failed') AND at > now() - {FENCED_WINDOW}
 """
+
+PRUNE_BATCH = 10_000  # rows one DELETE removes: each statement stays short
+
+# The history is bounded by age ($1 seconds) and by count (the newest $2 rows), in batches.
+_PRUNE = f"""
+DELETE FROM health_events WHERE id IN (
+    SELECT id FROM health_events
+    WHERE (at < now() - make_interval(secs => $1)
+           OR id <= (SELECT id FROM health_events ORDER BY id DESC OFFSET $2 LIMIT 1))
+      AND NOT (new_state IN ('fenced', 'failed') AND at > now() - {FENCED_WINDOW})
+    LIMIT $3
+)
+"""
+
+
+async def prune(pool: asyncpg.Pool, keep_s: float, keep_rows: int) -> int:
+    """Delete the transitions older than ``keep_s`` or beyond the newest ``keep_rows`` (but
+    the fenced incarnations a new leader restores); how many went."""
+    pruned = 0
+    while True:
+        async with asyncio.timeout(WRITE_TIMEOUT_S):
+            status = await pool.execute(_PRUNE, keep_s, keep_rows, PRUNE_BATCH)
+        n = int(status.split()[-1])  # "DELETE n"
+        pruned += n
+        if n < PRUNE_BATCH:
+            return pruned
 
 
 @dataclass
@@ -67,6 +99,7 @@ class Monitor:
     _probes: set[asyncio.Task[None]] = field(init=False, default_factory=set)
     _records: list[Changed] = field(init=False, default_factory=list)
     _writing: asyncio.Task[None] | None = field(init=False, default=None)
+    _pruning: asyncio.Task[None] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.detector = Detector(self.cfg)
@@ -101,6 +134,7 @@ class Monitor:
     async def run(self) -> None:
         """Judge every ``check_s``: connectivity first (an outage of our own judges nobody),
         then the books' workload, then the bounds; failures go to the core at once."""
+        self._pruning = asyncio.get_running_loop().create_task(self._prune_loop())
         try:
             while True:
                 await asyncio.sleep(self.cfg.check_s)
@@ -114,8 +148,25 @@ class Monitor:
                     # off the judging loop: a stalled Postgres must not stall detection
                     self._writing = asyncio.get_running_loop().create_task(self._write())
         finally:
-            for task in (*self._probes, *([self._writing] if self._writing else [])):
+            owned = (self._writing, self._pruning)
+            for task in (*self._probes, *(t for t in owned if t is not None)):
                 task.cancel()
+
+    async def _prune_loop(self) -> None:
+        """Bound ``health_events`` (its own task, off the judging loop and far from any
+        action's path): soon after this scheduler leads, then every ``prune_s``."""
+        delay = min(self.cfg.prune_s, PRUNE_FIRST_S)
+        while True:
+            await asyncio.sleep(delay)
+            delay = self.cfg.prune_s
+            try:
+                n = await prune(self.pool, self.cfg.events_keep_s, self.cfg.events_keep_rows)
+            except Exception as exc:  # its own task: nothing may escape unlogged; next round
+                level = logging.INFO if db.transient(exc) else logging.WARNING
+                log.log(level, "health_events not pruned: %r", exc)
+                continue
+            if n:
+                log.info("health_events: %d old transitions pruned", n)
 
     def _recover(self, f: Failed, now: float) -> list[Effect]:
         """The failed role only: its books end (node) or its calls do (quota agent)."""
@@ -149,6 +200,10 @@ class Monitor:
         for e in effects:
             match e:
                 case Probe():
+                    if e.canary:
+                        log.info(
+                            "node %s (%s): ping answered, canary asked", e.node_id, e.incarnation
+                        )
                     task = asyncio.get_running_loop().create_task(self._ping(e))
                     self._probes.add(task)
                     task.add_done_callback(self._probes.discard)
@@ -159,13 +214,17 @@ class Monitor:
         return failed
 
     async def _ping(self, p: Probe) -> None:
-        """Any answer counts, an error reply too: the agent's command path is alive."""
+        """Ping the probed incarnation (or have it run its canary). To a ping any answer
+        counts, an error reply too (its command path is alive), but ``invalid_request``: the
+        node's other incarnation refusing a probe meant for this one. A canary counts only
+        once it completed: an error (it failed) is no answer. An older agent answers a
+        canary at once, as a ping."""
+        ping = Ping(canary=p.canary, incarnation=p.incarnation)
         try:
-            await self.bus.request(
-                subjects.node(p.node_id), Ping(), timeout=self.cfg.probe_timeout_s
-            )
+            await self.bus.request(subjects.node(p.node_id), ping, timeout=self.cfg.probe_timeout_s)
         except TangramError as exc:
-            if exc.code in ("unavailable", "timeout"):
+            if p.canary or exc.code in ("unavailable", "timeout", "invalid_request"):
+                log.info("node %s (%s): probe %s: %s", p.node_id, p.incarnation, p.probe, exc)
                 return  # no answer: the detector's deadline decides
         self._handle(self.detector.answered(p.node_id, p.incarnation, p.probe, self.clock()))
 

@@ -1,7 +1,8 @@
 """Which scheduler leads: a Postgres session advisory lock held on a connection of its own.
 
 Every scheduler process first waits for the lock (a standby waits here, before it opens its
-pool or its NATS connection: it answers nothing and costs one idle Postgres session); the one
+pool or its serving NATS connection: it answers nothing and costs one idle Postgres session, and
+one NATS connection that only publishes its heartbeats, ``tangram.beats``); the one
 holding it takes a new epoch (``store.take_lead``) and rebuilds. Why the lock, not a lease
 (a NATS KV key or a row with an expiry that the leader renews):
 
@@ -17,11 +18,21 @@ keepalives, set short on the lock session (about 4 s). The leader itself checks 
 session and the epoch every ``check_s``: the epoch moved, or the session gone and not re-taken
 (epoch unchanged) within ``lost_s``, and it is :class:`store.Deposed` -- it stops serving, so it
 does not keep taking messages of the scheduler's queue group from the one that leads now.
+
+A Postgres restart ends every session at once, the leader's and the standby's alike: whoever
+reconnects first would get the lock, and a live leader would be replaced for nothing (a full
+takeover). So the leader, its lock session gone, is woken at once (a termination listener) and
+tries to re-take the lock every ``retake_s``; a standby whose own session was cut off (Postgres
+out of its reach: it may have been out of the leader's too) does not contend until it has seen
+the lock free for ``grace_s`` -- longer than a live leader takes to come back. A standby whose
+session held on while the lock came free (the leader died, Postgres up) takes it at once, as
+before. Either way only the lock's holder takes an epoch, so the epoch stays the fence.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -42,6 +53,14 @@ LOCK_ID = 0x7A4E_5344  # the session advisory lock of the lead (db's migration l
 # the sessions of replaced schedulers, not the waits of the standbys.
 LOCK_SESSIONS = "tangram-scheduler-lead"
 RECONNECT = db.Backoff(first_s=0.1, max_s=2.0)
+# The lead lock's rows in pg_locks. Advisory locks are per database and pg_locks shows the
+# whole server's: without the database, another mesh's leader on the same server would look
+# like this one's (a standby's grace cut short, the wrong holder shown).
+_LOCK_ROWS = (
+    "l.locktype = 'advisory' AND l.classid = 0 AND l.objid = $1 AND l.objsubid = 1"
+    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+_HELD = f"SELECT EXISTS (SELECT 1 FROM pg_locks l WHERE {_LOCK_ROWS} AND l.granted)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +68,11 @@ class LeadConfig:
     check_s: float = 1.0  # how often the leader checks its lock session and the epoch
     lost_s: float = 5.0  # how long it may be without its lock session before it stops
     wait_s: float = 30.0  # a standby re-issues its wait this often (a dead session shows)
+    # a standby cut off from Postgres contends only once the lock has been free this long
+    # after it is back (a live leader re-takes it within about retake_s of Postgres's return)
+    grace_s: float = 3.0
+    retake_s: float = 0.2  # how often a leader that lost its lock session tries to re-take it
+    poll_s: float = 0.2  # how often a standby in its grace looks whether the lock is held
 
 
 def session_name() -> str:
@@ -68,6 +92,7 @@ class Lead:
         self.clock = clock
         self.name = session_name()
         self._conn: asyncpg.Connection | None = None
+        self._broken = asyncio.Event()  # the held lock session closed: check at once
 
     async def __aenter__(self) -> Lead:
         await self.acquire()
@@ -92,26 +117,47 @@ class Lead:
 
     async def acquire(self) -> None:
         """Return once this process holds the lock; until then wait, idle, as a standby."""
-        delay, said = RECONNECT.first_s, False
+        delay, said, cut_off = RECONNECT.first_s, False, False
         while self._conn is None:
             conn: asyncpg.Connection | None = None
             try:
                 conn = await self._connect()
+                delay = RECONNECT.first_s  # the next outage backs off afresh
+                if cut_off:  # Postgres was out of reach: let a live leader come back first
+                    await self._grace(conn)
                 if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_ID):
                     if not said:
                         log.info("standing by: waiting for the scheduler lead (%s)", self.name)
                         said = True
                     await self._wait(conn)
-                self._conn = conn
+                self._hold(conn)
             except BaseException as exc:
                 if conn is not None:
                     conn.terminate()
                 if not isinstance(exc, Exception) or not db.transient(exc):
                     raise
                 log.warning("lead lock: %s; retrying in %.1fs", exc, delay)
+                cut_off = True
                 await asyncio.sleep(delay)
                 delay = min(RECONNECT.max_s, delay * 2)
         log.info("took the scheduler lead lock (%s)", self.name)
+
+    def _hold(self, conn: asyncpg.Connection) -> None:
+        """Keep ``conn`` as the lock session; its end wakes :meth:`watch` at once."""
+        self._conn = conn
+        self._broken.clear()
+        conn.add_termination_listener(lambda _: self._broken.set())
+
+    async def _grace(self, conn: asyncpg.Connection) -> None:
+        """Return once the lock is held (then wait in it as usual) or has been seen free for
+        ``grace_s`` (then contend): a leader that lost its session to the same outage re-takes
+        the lock within that, and keeps the lead."""
+        free_since = self.clock()
+        while not await conn.fetchval(_HELD, LOCK_ID):
+            if self.clock() - free_since >= self.cfg.grace_s:
+                log.warning("the lead lock stayed free for %.1fs: contending", self.cfg.grace_s)
+                return
+            await asyncio.sleep(self.cfg.poll_s)
 
     async def _wait(self, conn: asyncpg.Connection) -> None:
         """Block in the lock. Every ``wait_s`` the server ends the wait (lock_timeout) and it is
@@ -131,7 +177,7 @@ class Lead:
         for ``lost_s`` without being re-taken with the epoch unchanged."""
         lost_at: float | None = None
         while True:
-            await asyncio.sleep(self.cfg.check_s)
+            await self._next_check(lost=lost_at is not None)
             if await self._holds(epoch):
                 if lost_at is not None:
                     log.warning("re-took the lead lock, epoch %d unchanged", epoch)
@@ -144,14 +190,26 @@ class Lead:
                     f"scheduler epoch {epoch} lost its lead lock for {self.cfg.lost_s:.0f}s"
                 )
 
+    async def _next_check(self, lost: bool) -> None:
+        """Until the next check: ``check_s``, or at once when the lock session ends; while it is
+        lost, ``retake_s`` (the lock re-taken before a standby's grace runs out)."""
+        if lost:
+            await asyncio.sleep(min(self.cfg.retake_s, self.cfg.check_s))
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._broken.wait(), self.cfg.check_s)
+        self._broken.clear()
+
     async def _holds(self, epoch: int) -> bool:
         """Whether the lock session is up (re-taking it if it was lost) and ``epoch`` leads;
         raises :class:`store.Deposed` when another epoch leads."""
         try:
             if self._conn is None:
-                self._conn = await self._retake(epoch)
-            if self._conn is None:
-                return False
+                conn = await self._retake(epoch)
+                if conn is None:
+                    return False
+                self._hold(conn)
+            assert self._conn is not None
             await asyncio.wait_for(store.check_lead(self._conn, epoch), self.cfg.check_s * 2)
             return True
         except store.Deposed:
@@ -159,8 +217,8 @@ class Lead:
         except Exception as exc:
             if not db.transient(exc):
                 raise
-            log.warning("lead lock session lost: %s", exc or type(exc).__name__)
-            if self._conn is not None:
+            if self._conn is not None:  # said once; the attempts to re-take it are not
+                log.warning("lead lock session lost: %s", exc or type(exc).__name__)
                 self._conn.terminate()
                 self._conn = None
             return False
@@ -199,8 +257,7 @@ async def lock_sessions(conn: asyncpg.Connection) -> tuple[str | None, list[str]
     """The session name of the leader (None: no one leads) and those of the standbys."""
     rows = await conn.fetch(
         "SELECT l.granted, s.application_name FROM pg_locks l JOIN pg_stat_activity s"
-        " USING (pid) WHERE l.locktype = 'advisory' AND l.classid = 0 AND l.objid = $1"
-        " AND l.objsubid = 1",
+        f" USING (pid) WHERE {_LOCK_ROWS}",
         LOCK_ID,
     )
     holder = next((r["application_name"] for r in rows if r["granted"]), None)

@@ -18,11 +18,11 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import asyncpg
+import msgspec
 from nats.aio.msg import Msg
 from prometheus_client.metrics_core import Metric
 
@@ -46,29 +46,25 @@ from services.scheduler.core.status import status_reply
 from services.scheduler.core.validate import problem
 from services.scheduler.health import Monitor
 from services.scheduler.leadership import Lead
+from services.scheduler.outbox import Outbox
 from services.scheduler.policies.spec import make_policy
-from tangram import auth, db, metrics, ops_http, subjects
+from tangram import auth, beats, db, metrics, ops_http, subjects
 from tangram.bus import BaseBus, open_bus
 from tangram.config import MeshConfig
 from tangram.contract import (
     Ack,
     CancelCmd,
     CloseEnvCmd,
-    Commands,
     Completion,
     Completions,
-    Dispatch,
-    DropEnv,
     Enqueue,
     EnqueueMany,
     EnvExpired,
     ErrorKind,
-    Kill,
     LeaseEnd,
     NodeLeaving,
     NodeMessage,
     NodeReport,
-    Prepare,
     QuotaCmd,
     Reconcile,
     Resources,
@@ -83,20 +79,11 @@ from tangram.contract import (
     batches,
 )
 from tangram.errors import InvalidRequest, TangramError
-from tangram.runtime import Probe, Service
+from tangram.runtime import Probe, Service, State
 
 log = logging.getLogger(__name__)
 
 WRITE_RETRY = db.Backoff(first_s=0.02, max_s=2.0)
-NodeEffect = StartOnNode | KillOnNode | DropEnvOnNode | PrepareOnNode
-
-
-@dataclass(frozen=True, slots=True)
-class _Command:
-    """A message for a node agent; a dispatch leaves only once its ``started`` record is durable."""
-
-    effect: NodeEffect
-    recorded: asyncio.Future[None] | None = None
 
 
 class Scheduler(Service):
@@ -110,8 +97,13 @@ class Scheduler(Service):
         clock: Callable[[], float] = time.time,
         session: str = "",
         lead: Lead | None = None,
+        heartbeat_s: float = 1.0,
+        who: beats.Identity | None = None,
     ) -> None:
         super().__init__()
+        self.who = who or beats.identity("scheduler")  # its heartbeats (tangram.beats)
+        self.heartbeat_s = heartbeat_s
+        self.passes = 0  # scheduling passes so far (a heartbeat counter)
         self.session = session  # this scheduler's Postgres session name (see store.fence)
         self.lead = lead  # held (see leadership); watched while this scheduler serves
         self.cfg = cfg
@@ -129,7 +121,7 @@ class Scheduler(Service):
         self.starts = self._writer("started-writer", self._start_conn)
         self.records = self._writer("record-writer", self._record_conn)  # terminal and envs
         self.pending: dict[str, asyncio.Future[None]] = {}  # finish records not yet committed
-        self._commands: asyncio.Queue[_Command] = asyncio.Queue()
+        self.outbox = Outbox(bus, self._still_assigned)  # node commands, in the core's order
         self._dirty = asyncio.Event()
         self.registrations = gpu_shell.Registrations()
         self.prefetch = gpu_shell.PrefetchHints()
@@ -137,6 +129,8 @@ class Scheduler(Service):
         self._quota_wake: asyncio.TimerHandle | None = None  # see _arm_quota_wake
         self._refused: list[tuple[UnifiedAction, str]] = []  # to end invalid_request
         self._judging: asyncio.Task[None] | None = None  # the health monitor's loop
+        # the gateways' and schedulers' heartbeats, for the status answer
+        self.beats = beats.Listener(beats.Book(cfg.health.silent_s, cfg.health.suspect_s), clock)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -158,14 +152,18 @@ class Scheduler(Service):
         self.bus.serve(subjects.SCHED_ACTIONS, self.on_action, max_in_flight=100_000)
         self.bus.serve(subjects.SCHED_NODES, self.on_node, max_in_flight=100_000)
         self.bus.serve(subjects.SCHED_STATUS, self.on_status, max_in_flight=1024)
+        self.beats.serve(self.bus)
+        serving_from = self.clock()  # hand-offs from now on reach this scheduler
         await self.bus.start()
         self.core.hold_until(self.clock() + self.cfg.reconcile_grace_s)
         await self.bus.publish(subjects.NODES_BROADCAST, Reconcile(epoch=self.epoch))
-        self.spawn(self._command_loop(), "commands")
+        self.outbox.epoch = self.epoch
+        self.spawn(self.outbox.run(), "commands")
         self.spawn(self._decide_loop(), "decide")
         self.spawn(self._tick_loop(), "tick")
-        self.spawn(self._sweep_loop(), "sweep")
+        self.spawn(self._sweep_loop(serving_from), "sweep")
         self._judging = self.spawn(self.health.run(), "health")
+        self.spawn(beats.beating(self.bus, self.who, self.heartbeat_s, self.phase), "beats")
         log.info("scheduler epoch %d up, policy %s", self.epoch, self.core.policy.name)
 
     async def on_stop(self, grace_s: float) -> None:
@@ -181,6 +179,18 @@ class Scheduler(Service):
 
     def dependencies(self) -> dict[str, Probe]:
         return {"bus": ops_http.bus_probe(self.bus), "postgres": ops_http.pool_probe(self.pool)}
+
+    def phase(self) -> beats.Phase:
+        """Its heartbeat: leading (with its epoch) or stopping, busy while it holds actions;
+        passes move every tick, so a busy leader whose counters stand still is stuck."""
+        counters = {
+            "passes": self.passes,
+            "dispatches": self.core.issued + self.quotas.issued,
+            "completions": self.core.finished + self.quotas.finished,
+        }
+        phase = "leading" if self.state is not State.STOPPING else "stopping"
+        busy = bool(self.core.queue or self.core.running)
+        return beats.Phase(phase, epoch=self.epoch, busy=busy, counters=counters)
 
     def collect(self) -> list[Metric]:
         return gauges.families(self.core, self.quotas, self.clock())
@@ -245,9 +255,9 @@ class Scheduler(Service):
 
     # ------------------------------------------------------------------ handlers
 
-    async def on_action(
-        self, req: SchedulerRequest, msg: Msg
-    ) -> Ack | SchedulerStatus | Services | Resources | None:
+    async def on_action(self, req: SchedulerRequest, msg: Msg) -> Ack | Services | None:
+        """What changes the books (the gateway's); questions are asked on SCHED_STATUS, and
+        refused here by type (not in SchedulerRequest: an ``invalid_request`` reply)."""
         now = self.clock()
         match req:
             case Enqueue() | EnqueueMany():
@@ -266,8 +276,6 @@ class Scheduler(Service):
                 owner = self.quotas if self.quotas.owns(aid) else self.core
                 await self.apply(owner.cancel(aid, now))
                 await self._recorded([aid])
-            case StatusQuery() | ResourcesQuery():
-                return await self.on_status(req, msg)
             case ServiceCmd(spec=spec):
                 return await self._register(spec, now)
             case QuotaCmd(spec=spec):
@@ -283,7 +291,8 @@ class Scheduler(Service):
         """The read-only questions (the dashboard's, ``tangram status``, readiness)."""
         now = self.clock()
         if isinstance(req, StatusQuery):
-            return self.health.annotate(status_reply(self.core, self.epoch, now, self.quotas), now)
+            st = self.health.annotate(status_reply(self.core, self.epoch, now, self.quotas), now)
+            return msgspec.structs.replace(st, service_rows=self.beats.rows())
         return Resources(services=self.core.service_states(), quotas=self.quotas.states(now))
 
     async def _register(self, spec: ServiceSpec, now: float) -> Services:
@@ -371,9 +380,9 @@ class Scheduler(Service):
         match e:
             case StartOnNode():
                 started = self.starts.enqueue(store.Started(e, self.clock()))
-                self._commands.put_nowait(_Command(e, started))
+                self.outbox.put(e, started)
             case KillOnNode() | DropEnvOnNode() | PrepareOnNode():
-                self._commands.put_nowait(_Command(e))
+                self.outbox.put(e)
             case ServiceSettled():
                 self.registrations.settle(e)
             case Finish():
@@ -393,43 +402,6 @@ class Scheduler(Service):
         if not fut.cancelled() and fut.exception() is None and self.pending.get(aid) is fut:
             del self.pending[aid]
 
-    def _message(self, e: NodeEffect) -> Dispatch | Kill | DropEnv | Prepare | None:
-        """The node command for an effect; None for a dispatch no longer meant to run."""
-        match e:
-            case StartOnNode():
-                if not self._still_assigned(e):
-                    return None
-                return Dispatch(
-                    action=e.action,
-                    cores=e.cores,
-                    epoch=self.epoch,
-                    incarnation=e.incarnation,
-                    gpus=e.gpus,
-                    service=e.service,
-                    quota=e.quota,
-                    tokens=e.tokens,
-                    after=e.after,
-                    issued=e.issued,
-                )
-            case KillOnNode():
-                return Kill(action_id=e.action_id, epoch=self.epoch, reason=e.reason)
-            case DropEnvOnNode():
-                return DropEnv(trajectory_id=e.trajectory_id, epoch=self.epoch)
-            case PrepareOnNode():
-                return Prepare(services=e.services, epoch=self.epoch)
-
-    async def _send(self, node_id: str, items: list[Dispatch | Kill | DropEnv | Prepare]) -> None:
-        """One message per node: a lone command as itself (a dispatch with its trace
-        context), several as one ``Commands``."""
-        for run in batches(items):
-            if len(run) == 1:
-                one = run[0]
-                trace = one.action.traceparent if isinstance(one, Dispatch) else ""
-                await self.bus.publish(subjects.node(node_id), one, traceparent=trace)
-            else:
-                batch = Commands(items=tuple(run), epoch=self.epoch)
-                await self.bus.publish(subjects.node(node_id), batch)
-
     def _still_assigned(self, e: StartOnNode) -> bool:
         """While its record committed, the attempt may have been redone or its node lost."""
         if self.quotas.owns(e.action.spec.action_id):
@@ -441,32 +413,12 @@ class Scheduler(Service):
 
     # ------------------------------------------------------------------ loops
 
-    async def _command_loop(self) -> None:
-        """Send node commands in the core's order, a dispatch once its start is committed;
-        what is queued together goes together, one message per node."""
-        while True:
-            cmds = [await self._commands.get()]
-            while not self._commands.empty():
-                cmds.append(self._commands.get_nowait())
-            by_node: dict[str, list[Dispatch | Kill | DropEnv | Prepare]] = {}
-            for cmd in cmds:
-                if cmd.recorded is not None and not await _committed(cmd.recorded):
-                    continue
-                item = self._message(cmd.effect)
-                if item is not None:
-                    by_node.setdefault(cmd.effect.node_id, []).append(item)
-            for node_id, items in by_node.items():
-                try:
-                    await self._send(node_id, items)
-                except TangramError as exc:  # broker away: a lost dispatch is redone after
-                    # its grace, a lost kill is sent again on the node's next report
-                    log.warning("node command not sent: %s", exc)
-
     async def _decide_loop(self) -> None:
         """Coalesce events into scheduling passes."""
         while True:
             await self._dirty.wait()
             self._dirty.clear()
+            self.passes += 1
             now = self.clock()
             await self.apply(self.core.schedule(now) + self.quotas.schedule(now))
             await self.prefetch.after_pass(self.bus, self.core, self.epoch)
@@ -506,30 +458,30 @@ class Scheduler(Service):
     def _known(self, action_id: str) -> bool:
         return self.core.known(action_id) or self.quotas.known(action_id)
 
-    async def _load_stale(self) -> list[store.OpenAction]:
-        return await store.load_open(self.pool, older_than=self.clock() - self.cfg.sweep_s)
+    def _in_hand(self, action_id: str) -> bool:
+        """Known to a core, or ended with its terminal record not yet committed."""
+        return self._known(action_id) or action_id in self.pending
 
-    async def _sweep_loop(self) -> None:
-        """Pick up durable actions whose hand-off from the gateway was lost."""
+    async def _sweep_loop(self, serving_from: float) -> None:
+        """Pick up durable actions whose hand-off from the gateway was lost: at once those
+        submitted before this scheduler served (accepted while no one led, or handed to the
+        scheduler it replaced, after the rebuild read the queue), then every ``sweep_s`` those
+        queued for longer than that (a hand-off may still be on its way)."""
+        await self._sweep(serving_from)
         while True:
             await asyncio.sleep(self.cfg.sweep_s)
-            rows = await db.retrying(self._load_stale, what="sweep")
-            fresh = [r for r in rows if not self._known(r.action.spec.action_id)]
-            for row in fresh:
-                self._enqueue(row.action, self.clock())
-            await self._end_refused()
-            if fresh:
-                log.info("sweep picked up %d queued actions", len(fresh))
-                self._dirty.set()
+            await self._sweep(self.clock() - self.cfg.sweep_s)
 
-
-async def _committed(fut: asyncio.Future[None]) -> bool:
-    try:
-        await asyncio.shield(fut)
-    except TangramError as exc:
-        log.warning("not dispatching: its start was not recorded (%s)", exc)
-        return False
-    return True
+    async def _sweep(self, older_than: float) -> None:
+        load = partial(store.load_open, self.pool, older_than=older_than)
+        rows = await db.retrying(load, what="sweep")
+        fresh = [r for r in rows if not self._in_hand(r.action.spec.action_id)]
+        for row in fresh:
+            self._enqueue(row.action, self.clock())
+        await self._end_refused()
+        if fresh:
+            log.info("sweep picked up %d queued actions", len(fresh))
+            self._dirty.set()
 
 
 def _warm(mesh: MeshConfig, cfg: SchedulerConfig) -> None:
@@ -556,12 +508,18 @@ async def build(
     given its pool and bus; ``stack`` closes the bus first, then the pool."""
     mesh, cfg = config.load(overrides)
     _warm(mesh, cfg)
-    # A standby waits here, before it opens anything else; the lock is let go last. Meanwhile
+    # A standby waits here, before it opens its pool and bus; the lock is let go last. Meanwhile
     # its ops endpoint answers (/healthz 200, /readyz 503 "new"), so a liveness probe leaves it
     # be; the leader's endpoint replaces it on the same port.
-    async with ops_http.serving(_Standby(), mesh.ops_host, mesh.ops_port):
+    # It beats "standby" meanwhile, on a connection of its own (tangram.beats).
+    who = beats.identity("scheduler")
+    async with (
+        ops_http.serving(_Standby(), mesh.ops_host, mesh.ops_port),
+        beats.standby(mesh.nats_url, who, mesh.heartbeat_s),
+    ):
         lead = await stack.enter_async_context(Lead(mesh.postgres_dsn, cfg.lead_config()))
     session = f"{store.SESSIONS} {uuid.uuid4().hex[:12]}"
     pool = await db.open_pool(stack, mesh.postgres_dsn, name=session)
     bus = await open_bus(stack, mesh.nats_url, "scheduler")
-    return mesh, Scheduler(cfg, bus, pool, session=session, lead=lead)
+    beat_s = mesh.heartbeat_s
+    return mesh, Scheduler(cfg, bus, pool, session=session, lead=lead, heartbeat_s=beat_s, who=who)

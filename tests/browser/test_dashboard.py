@@ -1,7 +1,8 @@
 """The dashboard in a real headless browser (Debian's chromium, driven by playwright) against a
-running mesh: search an action by id, its trace waterfall from stored spans, the live view,
-the ACT plot; and over plain HTTP and NATS, what bad requests get. Screenshots are kept under
-``test-artifacts/screenshots/`` (gitignored)."""
+running mesh: logging in with the URL `tangram up` prints (its token), search an action by id,
+its trace waterfall from stored spans, the live view, the ACT plot; and over plain HTTP and
+NATS, what bad requests get, and that nothing answers without the token. Screenshots are kept
+under ``test-artifacts/screenshots/`` (gitignored)."""
 
 from __future__ import annotations
 
@@ -79,15 +80,26 @@ async def page(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Any]:
             await ctx.close()
 
 
-async def get(url: str) -> tuple[int, str]:
-    async with aiohttp.ClientSession() as s, s.get(url, allow_redirects=False) as r:
+async def get(url: str, token: str | None = None) -> tuple[int, str]:
+    """GET ``url`` (with the dashboard's ``token``, as a script sends it)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(url, allow_redirects=False, headers=headers) as r,
+    ):
         return r.status, await r.text()
+
+
+async def logged_in(page: Any, mesh: Mesh) -> None:
+    """Open the URL `tangram up` prints: the token leaves it, a cookie stays."""
+    await page.goto(mesh.dashboard_login_url)
+    assert page.url == f"{mesh.dashboard_url}/actions", page.url
 
 
 async def dashboard_up(mesh: Mesh) -> None:
     async def answers() -> bool:
         try:
-            return (await get(f"{mesh.dashboard_url}/actions"))[0] == 200
+            return (await get(f"{mesh.dashboard_url}/actions", mesh.dashboard_token))[0] == 200
         except aiohttp.ClientError:
             return False
 
@@ -98,7 +110,8 @@ async def stored_spans(mesh: Mesh, action_id: str, services: set[str]) -> dict[s
     """The action's detail once its waterfall shows stored spans of every one of ``services``."""
 
     async def probe() -> dict[str, Any] | None:
-        status, text = await get(f"{mesh.dashboard_url}/api/actions/{action_id}")
+        url = f"{mesh.dashboard_url}/api/actions/{action_id}"
+        status, text = await get(url, mesh.dashboard_token)
         detail: dict[str, Any] = msgspec.json.decode(text) if status == 200 else {}
         bars = detail.get("waterfall", {}).get("bars", [])
         seen = {b["service"] for b in bars if b["kind"] == "span"}
@@ -118,7 +131,7 @@ async def test_search_an_action_and_see_its_waterfall(
     await dashboard_up(mesh)
     await stored_spans(mesh, ok.action_id, {"tangram-gateway", "tangram-cpu_manager"})
 
-    await page.goto(f"{mesh.dashboard_url}/actions")
+    await logged_in(page, mesh)
     await page.fill("input[name=id]", ok.action_id)
     await page.click("button[type=submit]")
     await page.wait_for_url(f"**/actions/{ok.action_id}")
@@ -142,6 +155,7 @@ async def test_search_an_action_and_see_its_waterfall(
 async def test_live_view_and_act_plot(mesh: Mesh, client: Client, page: Any) -> None:
     await client.run(exec_spec(uuid.uuid4().hex[:8], "live", "true"))
     await dashboard_up(mesh)
+    await logged_in(page, mesh)
     await page.goto(f"{mesh.dashboard_url}/live")
     nodes = await page.inner_text("[data-testid=nodes]")
     assert "node0" in nodes
@@ -172,9 +186,38 @@ async def test_bad_requests_are_answered_and_it_keeps_serving(
     mesh: Mesh, path: str, status: int, says: str
 ) -> None:
     await dashboard_up(mesh)
-    got, text = await get(mesh.dashboard_url + path)
+    got, text = await get(mesh.dashboard_url + path, mesh.dashboard_token)
     assert (got, says in text) == (status, True), text[:500]
-    assert (await get(f"{mesh.dashboard_url}/live"))[0] == 200
+    assert (await get(f"{mesh.dashboard_url}/live", mesh.dashboard_token))[0] == 200
+
+
+async def test_nothing_answers_without_the_token_and_the_url_with_it_logs_in(
+    mesh: Mesh, page: Any
+) -> None:
+    """Any local process can reach the port: without the token every page and /api route is
+    401 (saying where the URL is); the printed URL sets an HttpOnly, SameSite=Strict cookie."""
+    await dashboard_up(mesh)
+    assert mesh.dashboard_token not in (mesh.opts.state_dir / "mesh.json").read_text()
+    paths = ["/", "/actions", "/actions/x", "/live", "/act", "/api/actions", "/api/actions/x"]
+    for path in [*paths, "/api/live", "/api/act"]:
+        status, text = await get(mesh.dashboard_url + path)
+        assert status == 401, path
+        assert "tangram dashboard" in text
+        assert (await get(mesh.dashboard_url + path, "not-the-token"))[0] == 401
+    jar = aiohttp.CookieJar(unsafe=True)  # a browser's: cookies of 127.0.0.1 kept
+    async with aiohttp.ClientSession(cookie_jar=jar) as s:
+        async with s.get(mesh.dashboard_login_url, allow_redirects=False) as r:
+            assert r.status == 303
+            assert r.headers["Location"] == "/"
+            assert "HttpOnly" in r.headers["Set-Cookie"]
+            assert "SameSite=Strict" in r.headers["Set-Cookie"]
+        async with s.get(f"{mesh.dashboard_url}/api/live") as r:
+            assert r.status == 200
+            assert "scheduler" in await r.text()
+    await logged_in(page, mesh)
+    cookies = await page.context.cookies(mesh.dashboard_url)
+    assert [(c["httpOnly"], c["sameSite"]) for c in cookies] == [(True, "Strict")]
+    assert "Actions" in await page.inner_text("h2")
 
 
 async def test_bad_span_batches_get_an_error_reply_and_good_ones_are_stored(mesh: Mesh) -> None:

@@ -163,11 +163,32 @@ FORGERIES = {
         Principal(SCHEDULER),
         NODE1,
     ),
+    # a client asks on its own subject alone: the gateway knows who asks
+    "ask the gateway as another client": (
+        subjects.gateway_of("alice").subject,
+        Principal(GATEWAY),
+        ALICE,
+        BOB,
+    ),
+    "ask on the operator's door": (subjects.GATEWAY.subject, Principal(GATEWAY), OPERATOR, BOB),
     "result pushed by a node": (
         subjects.results("alice") + ".c1",
         ALICE,
         Principal(SCHEDULER),
         NODE1,
+    ),
+    # heartbeats: a role beats on its own subject alone (tangram.beats)
+    "heartbeat of a scheduler by a gateway": (
+        subjects.SCHEDULER_BEATS.subject,
+        Principal(SCHEDULER),
+        Principal(SCHEDULER),
+        Principal(GATEWAY),
+    ),
+    "heartbeat of a gateway by a client": (
+        subjects.GATEWAY_BEATS.subject,
+        Principal(SCHEDULER),
+        Principal(GATEWAY),
+        ALICE,
     ),
 }
 
@@ -187,6 +208,8 @@ def forged_message(kind: str, uid: str) -> bytes:
         return encode(Enqueue(action=action))
     if kind.startswith("cancel"):
         return encode(CancelCmd(action_id=uid))
+    if kind.startswith("ask"):
+        return encode(GetResult(action_id=uid))
     if kind.startswith("status"):
         return encode(StatusQuery())
     if kind.startswith("result"):
@@ -249,11 +272,13 @@ async def test_the_normal_paths_work_under_their_grants(secured: Secured) -> Non
         async def nothing_known(req: Any, msg: Any) -> None:
             raise NotFound("no such action")
 
-        gateway.serve(subjects.GATEWAY, nothing_known)
+        gateway.serve(subjects.GATEWAY_CLIENTS, nothing_known)
         await gateway.start()
         client_bus = await secured.bus(ALICE)
         with pytest.raises(NotFound):
-            await client_bus.request(subjects.GATEWAY, GetResult(action_id="x"), timeout=2)
+            await client_bus.request(
+                subjects.gateway_of("alice"), GetResult(action_id="x"), timeout=2
+            )
         await client_bus.close()
         mine = subjects.results("alice") + ".c1"
         sub = await alice.subscribe(mine)

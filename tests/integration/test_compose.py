@@ -16,8 +16,11 @@ from typing import Any
 import pytest
 import yaml
 
+from tangram import auth
+
 COMPOSE = Path(__file__).parents[2] / "compose" / "docker-compose.yml"
 TANGRAM_SERVICES = ("gateway", "scheduler", "cpu_manager", "quota_manager", "gpu_manager")
+TANGRAM_SERVICES += ("dashboard",)
 MINIMAL = """\
 services:
   nats:
@@ -95,10 +98,12 @@ def test_tangram_service_wiring(services: dict[str, Any], name: str):
     assert svc["restart"]
     for dep in ("nats", "postgres"):
         assert svc["depends_on"][dep]["condition"] == "service_healthy"
+    assert svc["depends_on"]["auth-postgres"]["condition"] == "service_completed_successfully"
     env = svc["environment"]
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
     assert env["TANGRAM_NATS_URL"] == "nats://nats:4222"
-    assert env["TANGRAM_POSTGRES_DSN"].startswith("postgresql://")
+    assert env["TANGRAM_CREDS"].startswith("/var/lib/tangram-keys/auth/")
+    assert "TANGRAM_POSTGRES_DSN" in env  # its own role's (test_compose_auth.py), or none
 
 
 def test_cpu_manager_runs_docker_with_the_sandbox_image_built_first(services: dict[str, Any]):
@@ -125,13 +130,18 @@ def test_a_standby_scheduler_and_every_long_running_service_restarts(services: d
     standby, scheduler = services["scheduler-standby"], services["scheduler"]
     assert standby["command"] == scheduler["command"]
     assert standby["environment"] == scheduler["environment"]
+    one_shot = {"sandbox-image", "auth-nats", "auth-postgres"}
     for name, svc in services.items():
-        assert svc["restart"] == ("no" if name == "sandbox-image" else "unless-stopped"), name
+        assert svc["restart"] == ("no" if name in one_shot else "unless-stopped"), name
 
 
-@pytest.mark.parametrize("name", ["gateway", "scheduler", "cpu_manager"])
+@pytest.mark.parametrize("name", TANGRAM_SERVICES)
 def test_each_service_is_probed_itself_not_just_nats(services: dict[str, Any], name: str):
-    assert services[name]["healthcheck"]["test"] == ["CMD", "tangram", "health", name]
+    """Its own /readyz (bus connected, Postgres usable): a probe that needs no credential."""
+    test = services[name]["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"]
+    assert "http://127.0.0.1:9464/readyz" in test[3]
+    assert services[name]["environment"]["TANGRAM_OPS_PORT"] == "9464"
 
 
 def test_the_build_context_leaves_out_the_venv():
@@ -157,3 +167,18 @@ def test_the_tool_rejects_a_broken_file(tmp_path: Path, image: str, condition: s
     else:
         assert out.returncode != 0, out.stdout
         assert "gateway" in out.stderr + out.stdout
+
+
+def test_the_dashboard_asks_for_its_token_and_listens_on_loopback(services: dict[str, Any]):
+    """Its pages show every client's commands and outputs: published on the host's loopback
+    alone, its token the one auth-nats made in the keys volume (or TANGRAM_DASHBOARD_TOKEN)."""
+    dash = services["dashboard"]
+    env = dash["environment"]
+    keys = Path("/var/lib/tangram-keys") / auth.AUTH_DIR
+    assert env["TANGRAM_DASHBOARD_TOKEN_FILE"] == str(keys / auth.DASHBOARD_TOKEN)
+    assert env["TANGRAM_DASHBOARD_TOKEN"] == ""  # unless given when compose runs
+    ports = [  # (host ip, published): the short syntax (docker-compose 1) or the long one
+        tuple(p.split(":")[:2]) if isinstance(p, str) else (p.get("host_ip"), str(p["published"]))
+        for p in dash["ports"]
+    ]
+    assert ports == [("127.0.0.1", "8265")]

@@ -26,6 +26,7 @@ from services.gateway import store as gateway_store
 from services.scheduler import gpu_shell, quota_store
 from services.scheduler import store as scheduler_store
 from services.scheduler.health import _INSERT as HEALTH_INSERT
+from services.scheduler.health import prune as prune_health
 from tangram import db, pg_roles
 from tangram.client import Client
 from tangram.contract.spans import SpanRecord
@@ -86,9 +87,12 @@ async def test_the_gateway_role_does_intake_and_nothing_of_the_scheduler(secured
     try:
         assert await db.migrate(gw) == []  # nothing pending: no DDL right needed
         aid = "pgr-1"
-        cols = [[aid], ["job"], ["traj"], ["exec"], [b"spec"], [1.0]]
+        cols = [[aid], ["job"], ["traj"], ["exec"], [b"spec"], [1.0], ["alice"]]  # claims traj
         assert [r["action_id"] for r in await gw.fetch(gateway_store._INSERT, *cols)] == [aid]
-        assert await gateway_store.fetch_result(gw, aid) == ("queued", None)
+        assert await gateway_store.fetch_result(gw, aid) == gateway_store.Existing(
+            "queued", None, "alice"
+        )
+        assert await gateway_store.trajectory_owner(gw, "traj") == "alice"
         assert await gateway_store.fetch_existing(gw, [aid])
         await gw.execute(services_api._UPSERT, "svc", b"x")
         await gw.execute(quotas_api._UPSERT, "q", b"x")
@@ -122,7 +126,7 @@ async def test_the_scheduler_role_leads_fences_and_writes_transitions(secured: S
     other = await secured.pool("scheduler", f"{scheduler_store.SESSIONS} replaced")
     gw = await secured.pool("gateway")
     try:
-        cols = [["pgr-2"], ["job"], ["traj"], ["exec"], [b"spec"], [1.0]]
+        cols = [["pgr-2"], ["job"], ["traj"], ["exec"], [b"spec"], [1.0], [""]]
         await gw.fetch(gateway_store._INSERT, *cols)
         assert await db.migrate(sched) == []
         assert await sched.fetchval("SELECT pg_try_advisory_lock(1234)")
@@ -141,6 +145,7 @@ async def test_the_scheduler_role_leads_fences_and_writes_transitions(secured: S
         assert await gw.fetchval(done) == "succeeded"  # what the gateway reads back
         health = [datetime.datetime.now(datetime.UTC), "n", "i", "node", "suspect", "failed", ""]
         await sched.execute(HEALTH_INSERT, *[[x] for x in health])
+        assert await prune_health(sched, 1.0, 1) == 0  # may delete (a recent fencing stays)
         assert await scheduler_store.load_open(sched) == []
         await scheduler_store.load_envs(sched)
         await quota_store.load_quotas(sched)

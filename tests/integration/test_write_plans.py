@@ -35,7 +35,12 @@ STATEMENTS = [
     (
         "intake",
         gateway_store._INSERT,
-        "'{b1}', '{j}', '{t}', '{exec}', ARRAY['\\x00'::bytea], '{1.0}'",
+        "'{b1}', '{j}', '{t}', '{exec}', ARRAY['\\x00'::bytea], '{1.0}', '{alice}'",
+    ),
+    (
+        "intake_anon",  # no owner in the batch (a mesh without auth)
+        gateway_store._INSERT_ANON,
+        "'{b2}', '{j}', '{t}', '{exec}', ARRAY['\\x00'::bytea], '{1.0}'",
     ),
 ]
 
@@ -68,5 +73,6 @@ async def test_writes_reach_their_rows_by_primary_key_with_a_backlog_the_stats_m
         plan = "\n".join(r[0] for r in await conn.fetch(f"EXPLAIN EXECUTE {name}({args})"))
         assert "actions_open" not in plan, f"{name} ({mode}) goes through open actions:\n{plan}"
         assert "Seq Scan on actions" not in plan, f"{name} ({mode}) scans actions:\n{plan}"
-        if name != "intake":  # an insert looks nothing up but its conflict, by primary key
+        # an insert looks nothing up but its conflict, by primary key
+        if not name.startswith("intake"):
             assert "actions_pkey" in plan, f"{name} ({mode}):\n{plan}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tangram.agent.core import AgentConfig, AgentCore, Publish, Run
+from tangram.agent.core import AgentConfig, AgentCore, Canary, Publish, Run
 from tangram.contract import Ack, Kill, NodeReport, Outcome, Ping
 from tangram.errors import InvalidRequest
 
@@ -81,6 +81,15 @@ def test_a_ping_is_answered_whatever_its_epoch() -> None:
     c = agent()
     assert c.command(Ping(), (), 1.0, 1.0) == []
     assert c.epoch == 1
+
+
+def test_a_ping_names_its_incarnation_and_may_ask_for_the_canary() -> None:
+    c = agent()
+    assert c.command(Ping(incarnation="inc"), (), 1.0, 1.0) == []
+    assert c.command(Ping(incarnation="inc", canary=True), (), 1.0, 1.0) == [Canary()]
+    assert c.command(Ping(canary=True), (), 1.0, 1.0) == [Canary()]  # any incarnation
+    with pytest.raises(InvalidRequest, match="ping for incarnation old, this is inc"):
+        c.command(Ping(incarnation="old", canary=True), (), 1.0, 1.0)
 
 
 def test_an_outcome_of_a_held_dispatch_killed_says_it_never_started() -> None:

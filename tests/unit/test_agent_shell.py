@@ -24,6 +24,7 @@ from tangram.contract import (
     NodeReport,
     NumaCores,
     Outcome,
+    Ping,
 )
 from tangram.errors import InvalidRequest, Unavailable
 from tangram.membus import MemoryBroker
@@ -179,3 +180,53 @@ async def test_a_refused_completion_does_not_hold_back_the_others_of_its_batch(
     for aid in ("bad", "a"):
         executor.release[aid].set()
     await eventually(lambda: set(agent.core.unacked) == {"bad"}, what="a acked alone")
+
+
+class CanaryExecutor(FakeExecutor):
+    """A fake executor with the canary hook, wedged until ``unwedge`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unwedge = asyncio.Event()
+        self.canaries = 0
+
+    async def canary(self) -> None:
+        self.canaries += 1
+        await self.unwedge.wait()
+
+
+async def test_a_canary_is_answered_once_it_completed_and_probes_share_one() -> None:
+    broker = MemoryBroker()
+    sched = broker.connect("scheduler")
+    sched.serve(subjects.SCHED_NODES, FakeScheduler().on_node, max_in_flight=1)
+    await sched.start()
+    bus = broker.connect("agent")
+    executor = CanaryExecutor()
+    agent = Agent(bus, executor, AgentConfig(node_id="n0", incarnation="inc", heartbeat_s=0.02))
+    await agent.start()
+    try:
+        node = subjects.node("n0")
+        assert isinstance(await sched.request(node, Ping(incarnation="inc"), timeout=1), Ack)
+        canary = Ping(incarnation="inc", canary=True)
+        with pytest.raises(Unavailable):  # wedged: no answer
+            await sched.request(node, canary, timeout=0.1)
+        with pytest.raises(InvalidRequest, match="incarnation"):  # another incarnation's
+            await sched.request(node, Ping(incarnation="old", canary=True), timeout=1)
+        second = asyncio.create_task(sched.request(node, canary, timeout=2))
+        await asyncio.sleep(0.05)
+        executor.unwedge.set()
+        assert isinstance(await second, Ack)
+        assert executor.canaries == 1  # the second probe waited on the first's canary
+    finally:
+        await agent.stop(0.1)
+        await bus.close()
+        await sched.close()
+
+
+async def test_an_executor_without_the_hook_answers_a_canary_as_a_ping(
+    mesh: tuple[Agent, FakeExecutor, FakeScheduler, Any],
+):
+    agent, _executor, _scheduler, sbus = mesh
+    await agent.start()
+    ping = Ping(incarnation="inc", canary=True)
+    assert isinstance(await sbus.request(subjects.node("n0"), ping, timeout=1), Ack)

@@ -42,6 +42,8 @@ SUBJECT_MAKERS = {
     "node": lambda f: f("n1").subject,
     "prefetch": lambda f: f("n1").subject,
     "sched_node": lambda f: f("n1").subject,
+    "gateway_of": lambda f: f("alice").subject,
+    "admin_of": lambda f: f("alice").subject,
     "results": lambda f: f("alice") + ".c1",
     "result_push": lambda f: f(subjects.results("alice") + ".c1").subject,
 }
@@ -72,9 +74,25 @@ def test_every_subject_of_the_mesh_has_a_route() -> None:
 
 def test_a_client_may_ask_the_gateway_and_read_its_own_results_only() -> None:
     g = grant(Principal(CLIENT, "alice"))
-    assert g.publish == (subjects.GATEWAY.subject,)  # not even spans: the dashboard's is internal
+    # its own gateway subject alone (not the shared one: the gateway knows who asks); not
+    # even spans: the dashboard's is internal
+    assert g.publish == (subjects.gateway_of("alice").subject,)
     assert set(g.subscribe) == {"tangram.v1.results.alice.>", "_INBOX_client-alice.>"}
     assert not g.responds
+
+
+def test_an_admin_client_alone_may_ask_on_its_admin_subject() -> None:
+    """The gateway takes mesh-wide changes there: the broker, not the message, says who."""
+    admin = grant(Principal(CLIENT, "boss"), admin=True)
+    assert set(admin.publish) == {
+        subjects.gateway_of("boss").subject,
+        subjects.admin_of("boss").subject,
+    }
+    for who in (Principal(CLIENT, "alice"), Principal(auth.FRONT, "f"), Principal(OPS)):
+        assert not any(matches(p, "tangram.v1.admin.x") for p in grant(who).publish)
+    serves = grant(Principal(GATEWAY)).subscribe
+    assert any(matches(p, subjects.admin_of("boss").subject) for p in serves)
+    assert auth.client_inboxes("boss") == ("_INBOX_client-boss.", "_INBOX_front-boss.")
 
 
 def test_only_the_scheduler_commands_nodes() -> None:

@@ -80,14 +80,16 @@ async def test_a_connection_error_names_the_url_and_the_reason(monkeypatch: pyte
     assert text.startswith(f"cannot connect to NATS at {url}: ")
     assert text.split(": ", 1)[1].strip()  # a reason, even for a TimeoutError
     with pytest.raises(Unavailable, match=r"\(URL from given\)"):
-        await Client.connect(url)
+        await Client.connect(url, connect_timeout_s=0.5)
 
 
 def test_both_clients_connect_with_the_same_spelling():
     assert isinstance(SyncClient.__dict__["connect"], classmethod)
     assert isinstance(Client.__dict__["connect"], classmethod)
     with pytest.raises(Unavailable, match="cannot connect to NATS"):
-        SyncClient.connect(f"nats://127.0.0.1:{free_port()}", request_timeout=1)
+        SyncClient.connect(
+            f"nats://127.0.0.1:{free_port()}", request_timeout=1, connect_timeout_s=0.5
+        )
 
 
 async def test_inside_a_container_auto_never_falls_back_to_the_process_backend(

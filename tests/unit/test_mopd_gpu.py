@@ -106,3 +106,33 @@ def test_calibration_gives_the_papers_sglang_act_at_2048() -> None:
     act = m.run(replace(cfg, batch=w.SGLANG_BATCH), "dedicated").mean_act()
     assert act == pytest.approx(w.SGLANG_ACT_S, rel=0.01)
     assert w.SGLANG_ACT_S == pytest.approx(18.1 * (0.621 + 0.081 + 0.201))
+
+
+def test_the_measured_step_starts_with_what_the_step_before_left_resident() -> None:
+    """§5.3: a restored service stays cached until evicted, and the paper measures while
+    training proceeds: with the step before served first (``warmup``), a teacher it used is
+    no restore in the measured step; from empty GPUs it is one. Only the measured step counts."""
+    cfg = m.Config(batch=1, gpus=8, restore_gb_per_s=10.0)
+    t = m.TEACHERS[0]
+    call = [m.Call("c0", 0, t, 1.0)]
+    cold = m.Pooled(cfg, "elastic").run(call)
+    warm = m.Pooled(cfg, "elastic").run(call, before=[m.Call("c0", 0, t, 0.5)])
+    assert cold.restores == 1
+    assert warm.restores == 0
+    assert warm.served == warm.calls == 1
+    assert warm.act_s == pytest.approx({0: t.duration(8, cfg.parallel)})
+
+
+def test_the_policy_sees_a_restoring_chunk_busy_until_its_restore_and_call_end() -> None:
+    """A call dispatched cold holds its chunk for the restore and then its execution: the
+    elastic policy's view of that chunk ends there (the core's prediction at dispatch), not
+    after the execution alone."""
+    cfg = m.Config(batch=1, gpus=8, restore_gb_per_s=10.0)
+    pooled = m.Pooled(cfg, "elastic")
+    t = m.TEACHERS[6]
+    pooled.core.enqueue(m._unified(m.Call("c0", 0, t, 0.0), cfg.parallel), 0.0)
+    (start,) = [e for e in pooled.core.schedule(0.0) if isinstance(e, StartOnNode)]
+    dop = len(start.gpus)
+    (view,) = pooled.core.gpu._running_views(pooled.core.nodes[start.node_id])
+    restore = t.footprint_mb(dop) / 1024 / cfg.restore_gb_per_s
+    assert view.expected_end == pytest.approx(restore + t.duration(dop, cfg.parallel))

@@ -18,7 +18,6 @@ from tangram.contract import (
     HttpAction,
     QuotaSpec,
     Submit,
-    UnifiedAction,
     encode,
 )
 from tangram.errors import InvalidRequest
@@ -40,8 +39,8 @@ class FakePool:
 
 
 class FakeIntake:
-    async def submit(self, action: UnifiedAction) -> store.Intake:
-        return store.Intake(action_id=action.spec.action_id, duplicate=False)
+    async def submit(self, item: store.Owned) -> store.Intake:
+        return store.Intake(action_id=item.action.spec.action_id, duplicate=False)
 
 
 class FakeBus:

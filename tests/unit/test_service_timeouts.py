@@ -45,6 +45,7 @@ class FakeBus:
     def __init__(self, failures: int = 0) -> None:
         self.failures = failures
         self.timeouts: list[float] = []
+        self.creds = None  # a mesh without auth (as Bus.creds says)
 
     async def request(self, endpoint: object, msg: object, timeout: float) -> Services:
         self.timeouts.append(timeout)

@@ -33,6 +33,9 @@ carry. Decisions made here, once for every kind of agent:
   trip to the scheduler; killed or dropped while it waits, it ends at once, never run.
 - the outbox: a completion is delivered until acked; re-sent when older than ``resend_s``
   and not in flight, at once on ``Reconcile``, and a last time when leaving.
+- probes: a ``Ping`` is answered whatever its epoch; one naming another incarnation is
+  refused (the detector must not take this one's answer for it); one asking for the canary
+  has the shell run the executor's canary first (see ``shell.Canaries``).
 - goodbye is last: once :meth:`AgentCore.goodbye` returned, every method returns nothing
   and :meth:`AgentCore.may_send` refuses all but the goodbye itself.
 """
@@ -145,7 +148,13 @@ class PrepareServices:
     services: tuple[ServiceSpec, ...]
 
 
-Effect = Run | Stop | Drop | Publish | Deliver | Announce | PrepareServices
+@dataclass(frozen=True, slots=True)
+class Canary:
+    """Run the executor's canary (a trivial action through its real execution path) and
+    answer the probe only once it completed."""
+
+
+Effect = Run | Stop | Drop | Publish | Deliver | Announce | PrepareServices | Canary
 
 
 class Phase(enum.Enum):
@@ -275,7 +284,7 @@ class AgentCore:
         """A scheduler's command; raises :class:`InvalidRequest` when it is refused.
         ``mono`` is the monotonic clock the lease is kept on (``now`` when not given)."""
         if isinstance(cmd, Ping):  # any answer shows the command path is alive
-            return []
+            return self._ping(cmd)
         if self.gone:
             raise InvalidRequest(f"node agent {self.cfg.incarnation} has left")
         if cmd.epoch < self.epoch:
@@ -296,6 +305,16 @@ class AgentCore:
             case Commands():  # the shell unpacks a batch, logging each refusal
                 raise InvalidRequest("a batch of commands is taken one command at a time")
         return []
+
+    def _ping(self, ping: Ping) -> list[Effect]:
+        """A probe of this incarnation (another's is refused: the detector must not count
+        this one's answer for it), with the canary when asked. Neither epoch nor goodbye
+        refuses it: it changes nothing here."""
+        if ping.incarnation and ping.incarnation != self.cfg.incarnation:
+            raise InvalidRequest(
+                f"ping for incarnation {ping.incarnation}, this is {self.cfg.incarnation}"
+            )
+        return [Canary()] if ping.canary else []
 
     def answered(self, ack: Ack, sent_mono: float, now: float, mono: float) -> list[Effect]:
         """The scheduler answered a report sent at ``sent_mono``: the floor rises to its epoch

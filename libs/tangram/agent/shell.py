@@ -25,6 +25,7 @@ from tangram.agent.core import (
     AgentConfig,
     AgentCore,
     Announce,
+    Canary,
     Deliver,
     Drop,
     Effect,
@@ -33,6 +34,7 @@ from tangram.agent.core import (
     Run,
     Stop,
 )
+from tangram.agent.starts import Launches
 from tangram.bus import BaseBus
 from tangram.contract import (
     Ack,
@@ -103,6 +105,17 @@ class Tiers(Protocol):
 
 
 @runtime_checkable
+class Canaries(Protocol):
+    """An executor that can prove its execution path works, for the health detector's canary
+    (``Ping.canary``); without this hook a canary is answered as a plain ping."""
+
+    async def canary(self) -> None:
+        """Run a trivial action through the path real actions take and return once it
+        completed (raise if it failed). It takes no granted unit: it is not booked, and runs
+        beside whatever runs (see each executor for why that is sound)."""
+
+
+@runtime_checkable
 class Reports(Protocol):
     """An executor whose prepared services go into every heartbeat."""
 
@@ -134,6 +147,9 @@ class Agent(Service):
         # The optional hooks of a GPU node's executor (see Prepares, Reports).
         self._preparer = executor if isinstance(executor, Prepares) else None
         self._reports = executor if isinstance(executor, Reports) else None
+        self._canaries = executor if isinstance(executor, Canaries) else None
+        self._starts = executor.starts if isinstance(executor, Launches) else None
+        self._canary: asyncio.Task[None] | None = None  # one at a time, shared by probes
         self.core = AgentCore(cfg, prepares=self._preparer is not None)
         self._runs: set[asyncio.Task[None]] = set()
         self._sends: set[asyncio.Task[None]] = set()
@@ -175,6 +191,7 @@ class Agent(Service):
         await self._cancel_tasks()
         await _wait(self._reports_out, 0.0, cancel=True)
         await _wait(self._prepares, 0.0, cancel=True)
+        await _wait({self._canary} if self._canary else set(), 0.0, cancel=True)
         await self._apply(self.core.flush(self.clock()))
         self._send_outgoing()  # now, not on the next turn: the wait below covers it
         await _wait(self._sends, self.cfg.flush_s, cancel=True)
@@ -226,7 +243,8 @@ class Agent(Service):
                     await self.executor.drop_env(tid)
                 case Publish(msg=NodeReport() as m):
                     if self.core.may_send(m):
-                        self._own(self._report(self._with_services(m)), self._reports_out)
+                        m = self._with_starts(self._with_services(m))
+                        self._own(self._report(m), self._reports_out)
                 case Publish(msg=m):
                     if self.core.may_send(m):
                         await self.bus.publish(self.to_scheduler, m)
@@ -236,12 +254,23 @@ class Agent(Service):
                     await self._announce(m)
                 case PrepareServices(services=specs):
                     self._own(self._prepare(specs), self._prepares)
+                case Canary():
+                    await self._run_canary()
 
     def _with_services(self, m: NodeReport) -> NodeReport:
         """A report carries the executor's prepared services (a GPU node)."""
         if self._reports is not None:
             return msgspec.structs.replace(m, services=self._reports.services())
         return m
+
+    def _with_starts(self, m: NodeReport) -> NodeReport:
+        """A report carries the executor's launches as they are now (``Progress.spawned``,
+        ``spawning``): the detector watches the start phase with them."""
+        if self._starts is None or m.progress is None:
+            return m
+        spawned, spawning = self._starts.snapshot()
+        progress = msgspec.structs.replace(m.progress, spawned=spawned, spawning=spawning)
+        return msgspec.structs.replace(m, progress=progress)
 
     async def _report(self, m: NodeReport) -> None:
         """Send a report and take the scheduler's answer: it renews the start lease (from
@@ -269,6 +298,17 @@ class Agent(Service):
         await self._apply(self.core.kill_all(ErrorKind.NODE_DIED))
         self.fatal = exc
         self.stopped.set()
+
+    async def _run_canary(self) -> None:
+        """The executor's canary, the probe answered once it completed. Probes that come
+        while one runs share it (a wedged executor holds one canary, not one per probe);
+        a probe that gives up (its timeout) leaves it running for the next."""
+        if self._canaries is None:
+            return  # an executor without the hook: the ping's answer says what it can
+        if self._canary is None or self._canary.done():
+            self._canary = asyncio.get_running_loop().create_task(self._canaries.canary())
+            self._canary.add_done_callback(_log_failure)
+        await asyncio.shield(self._canary)
 
     async def _prepare(self, specs: tuple[ServiceSpec, ...]) -> None:
         """Prepare on the executor, then report at once: the scheduler waits for it."""

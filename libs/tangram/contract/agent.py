@@ -108,11 +108,19 @@ class Completion(_Msg, tag="completion"):
 
 class Progress(_Msg):
     """Facts for a health detector: how many dispatches this incarnation started and how many
-    of those ended, and when either last happened (the agent's wall clock, seconds)."""
+    of those ended, and when either last happened (the agent's wall clock, seconds).
+
+    The start phase (see ``tangram.agent.starts``): ``spawned`` counts the launches its
+    executor ended (a process spawned, a request handed to a container, model calls entered
+    the runner, an HTTP call handed to the client; or failed at that step), ``spawning`` how
+    many are under way now, each holding what it needs (never one waiting for a core, a chunk
+    or a slot another action holds). Both additive: an older agent reports 0, 0."""
 
     started: int = 0
     finished: int = 0
     last_progress_at: Timestamp | None = None
+    spawned: Annotated[int, Meta(ge=0)] = 0
+    spawning: Annotated[int, Meta(ge=0)] = 0
 
 
 class NodeReport(_Msg, tag="node_report"):
@@ -222,9 +230,17 @@ class Prepare(_Msg, tag="prepare"):
 
 class Ping(_Msg, tag="ping"):
     """A health probe on the agent's own command subject, answered with ``Ack`` (an agent
-    whose command path is stuck does not answer, even while its heartbeats still go out)."""
+    whose command path is stuck does not answer, even while its heartbeats still go out).
+
+    ``incarnation`` (set by the detector) is the incarnation probed: another one refuses it
+    (``invalid_request``), so its answer never counts for the probed one; empty: any.
+    ``canary``: answered only once the agent ran a trivial action through its real execution
+    path (see ``tangram.agent.shell.Canaries``): a wedged executor under a live bus loop does
+    not answer. Both fields are additive: an older agent answers at once, as to a ping."""
 
     epoch: int = 0
+    canary: bool = False
+    incarnation: str = ""
 
 
 class Reconcile(_Msg, tag="reconcile"):

@@ -7,6 +7,7 @@ from typing import Annotated
 from msgspec import Meta
 
 from tangram.contract.base import MAX_BATCH_ITEMS, Timestamp, _Msg
+from tangram.contract.beats import ServiceRow
 from tangram.contract.client import ActionSpec, QuotaState, ServiceState
 from tangram.contract.resources import QuotaSpec, ServiceSpec
 
@@ -97,16 +98,10 @@ class Resources(_Msg, tag="resources_state"):
     quotas: tuple[QuotaState, ...] = ()
 
 
+# What changes the scheduler's books (its action subject, the gateway's alone). The read-only
+# questions (StatusQuery, ResourcesQuery) are not among them: they go to its status subject.
 SchedulerRequest = (
-    Enqueue
-    | EnqueueMany
-    | CloseEnvCmd
-    | CancelCmd
-    | StatusQuery
-    | ServiceCmd
-    | QuotaCmd
-    | LeaseEnd
-    | ResourcesQuery
+    Enqueue | EnqueueMany | CloseEnvCmd | CancelCmd | ServiceCmd | QuotaCmd | LeaseEnd
 )
 
 
@@ -160,3 +155,5 @@ class SchedulerStatus(_Msg, tag="scheduler_status"):
     node_rows: list[NodeRow] = []
     queue_rows: list[QueuedRow] = []
     running_rows: list[RunningRow] = []
+    # the gateways and schedulers heard on their heartbeats (contract/beats.py)
+    service_rows: list[ServiceRow] = []

@@ -44,11 +44,13 @@ from services.cpu_manager.docker.run import (
     oom_checked,
 )
 from services.cpu_manager.docker.tiering import Tiering
+from tangram.agent.starts import Starts
 from tangram.contract import ErrorKind
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MAX_SOCKET_PATH = 107
+EXIT_SEEN_S = 5.0  # how long an executor seen gone may take to be seen exited by the engine
 
 
 class State(enum.Enum):
@@ -104,6 +106,9 @@ class DockerBackend:
         self.root = Path(cfg.root).resolve()
         self.engine = Engine(cfg)
         self.stats: Counter[str] = Counter()
+        # Launches for the health detector (see ``run.py``): a request handed to a ready
+        # container's executor. Creating, pulling, waking or pinning a container is none.
+        self.starts = Starts()
         self._threads = ThreadPoolExecutor(cfg.threads, thread_name_prefix="docker")
         self._envs: dict[str, ContainerEnv] = {}
         self._creating: dict[str, asyncio.Future[ContainerEnv]] = {}
@@ -171,6 +176,13 @@ class DockerBackend:
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking (Docker SDK) call on the backend's threads."""
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+
+    async def canary(self) -> None:
+        """The health detector's canary: the engine answers a ping through the threads and
+        the client every action's calls take (a wedged pool or engine never answers). It
+        holds no container and no core: it runs beside whatever runs (a node whose cores are
+        all held by progressing actions is not suspect, so it needs no free one)."""
+        await self.call(self.engine.api.ping)
 
     # ---------------------------------------------------------------- Backend API
 
@@ -334,7 +346,7 @@ class DockerBackend:
                 env.spec.socket_path, self.cfg.ready_timeout_s, env.init_pid
             )
         except executor_client.ExecutorGone as exc:
-            state = await self.call(self.engine.state, env.container_id)
+            state = await self.call(self.engine.state_after_exit, env.container_id, EXIT_SEEN_S)
             logs = await self.call(self.engine.logs_tail, env.container_id)
             await self._remove(env)
             detail = f"executor in {env.image} did not start: {exc}; logs: {logs}"

@@ -313,6 +313,18 @@ class Engine:
         except Exception as exc:
             raise translate(exc, f"inspect {container_id[:12]}") from exc
 
+    def state_after_exit(self, container_id: str, timeout_s: float) -> dict[str, Any] | None:
+        """The container's ``State`` once the engine has seen its init exit (within
+        ``timeout_s``; else as it is then): a process seen gone from here may still be
+        ``Running`` to a busy engine for a moment."""
+        try:
+            self.api.wait(container_id, timeout=timeout_s)
+        except docker.errors.NotFound:
+            return None
+        except Exception:  # a read timeout (requests'): say what the state is now
+            log.debug("no exit of %s seen within %ss", container_id[:12], timeout_s)
+        return self.state(container_id)
+
     def update_cpus(self, container_id: str, cores: tuple[int, ...]) -> None:
         """``docker update --cpuset-cpus --cpu-quota`` to exactly ``cores``."""
         try:

@@ -8,6 +8,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,14 +120,19 @@ class Call:
         if self._writer is not None and not self._writer.is_closing():
             self._writer.write(KILL_BYTE)
 
-    async def run(self, payload: dict[str, Any], cap: int) -> Reply:
-        """Send the request and wait for the reply (the caller bounds the wait)."""
+    async def run(
+        self, payload: dict[str, Any], cap: int, sent: Callable[[], None] | None = None
+    ) -> Reply:
+        """Send the request and wait for the reply (the caller bounds the wait); ``sent`` is
+        called once the request is written (the executor starts the command on reading it)."""
         reader, self._writer = await _connect(self.path, self.peer_pid)
         try:
             self._writer.write(encode_json(payload))
             if self.kill_requested:
                 self._writer.write(KILL_BYTE)
             await self._writer.drain()
+            if sent is not None:
+                sent()
             header = json.loads(await _read_frame(reader, MAX_HEADER))
             if not header.get("ok"):
                 raise ExecutorGone(f"executor refused the request: {header.get('error')}")

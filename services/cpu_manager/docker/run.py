@@ -117,13 +117,16 @@ async def exec_via_executor(
         "timeout_s": req.timeout_s,
         "cap": req.output_cap_bytes,
     }
+    launch = backend.starts.begin()  # ends once the request is written (or failed)
     try:
         async with asyncio.timeout(req.timeout_s + backend.cfg.exec_grace_s):
-            reply = await run.call.run(payload, req.output_cap_bytes)
+            reply = await run.call.run(payload, req.output_cap_bytes, sent=launch.done)
     except TimeoutError:
         return _hung(backend, env, run, started)
     except ExecutorGone as exc:
         return await _broken(backend, env, run, str(exc), started)
+    finally:
+        launch.done()
     return outcome_from_reply(reply, run)
 
 
@@ -140,6 +143,9 @@ async def exec_via_docker(backend: DockerBackend, env: ContainerEnv, run: Action
         if exc.failure is not ErrorKind.ENVIRONMENT_LOST:
             raise
         return await _broken(backend, env, run, exc.detail, started)
+    # Counted, not bounded: the engine's calls share the backend's threads with container
+    # creations, which may hold them all for seconds on a healthy node.
+    backend.starts.launched()
     collect = asyncio.ensure_future(
         backend.call(engine.exec_collect, run.exec_id, req.output_cap_bytes)
     )

@@ -32,6 +32,7 @@ from services.cpu_manager.action_env import action_environ
 from services.cpu_manager.backend_api import ExecOutcome, ExecRequest, failed_outcome
 from services.cpu_manager.process import users
 from services.cpu_manager.spawn_failure import spawn_failed
+from tangram.agent.starts import Starts
 from tangram.contract import ErrorKind
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,14 @@ class ProcessBackend:
         self.cfg = cfg
         self._launcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="launcher")
         self._runs: dict[str, _Run] = {}
+        # Actions waiting for the launcher thread, and those of them killed meanwhile: a
+        # spawn queued behind a wedged launcher (its node fenced, its actions ended
+        # node_died) must not run once the launcher frees up.
+        self._spawning: set[str] = set()
+        self._doomed: dict[str, ErrorKind] = {}
+        # Launches for the health detector: from a spawn handed to the launcher thread to
+        # its process (or its failure) back; milliseconds, unless the launcher is wedged.
+        self.starts = Starts()
         self._envs: dict[str, float] = {}
         self.run_as = users.RunAs(False, "not started")
         self._claim: users.SlotClaim | None = None
@@ -154,9 +163,9 @@ class ProcessBackend:
         os.chmod(self.cfg.root, 0o711)  # others may pass through, never list the trajectories
 
     async def close(self) -> None:
-        for aid in list(self._runs):
+        for aid in (*self._runs, *self._spawning):
             await self.kill(aid, ErrorKind.CANCELLED)
-        self._launcher.shutdown(wait=True)
+        self._launcher.shutdown(wait=True, cancel_futures=True)
         if self._claim is not None:
             self._claim.release()
 
@@ -169,6 +178,9 @@ class ProcessBackend:
     async def kill(self, action_id: str, reason: ErrorKind = ErrorKind.CANCELLED) -> bool:
         run = self._runs.get(action_id)
         if run is None:
+            if action_id in self._spawning:  # never spawned now (see run)
+                self._doomed.setdefault(action_id, reason)
+                return True
             return False
         run.killed = run.killed or reason
         _killpg(run.proc.pid)
@@ -196,19 +208,57 @@ class ProcessBackend:
         self._envs[req.trajectory_id] = time.monotonic()
         loop = asyncio.get_running_loop()
         started = time.time()
+        self._spawning.add(req.action_id)
         try:
-            proc, out_fd, err_fd = await loop.run_in_executor(
-                self._launcher, self._spawn, req, workdir, uid
-            )
+            with self.starts.begin():
+                proc, out_fd, err_fd = await loop.run_in_executor(
+                    self._launcher, self._spawn, req, workdir, uid
+                )
         except OSError as exc:
             return _spawn_failure(exc, req.argv, workdir, started)
+        except _Doomed as exc:
+            return failed_outcome(exc.reason, "killed before it started", started)
+        finally:
+            self._spawning.discard(req.action_id)
         run = _Run(proc, req.trajectory_id, out_fd, err_fd)
+        run.killed = self._doomed.pop(req.action_id, None)  # killed as it was being spawned
+        if run.killed is not None:
+            _killpg(proc.pid)
         self._runs[req.action_id] = run
         try:
             return await self._supervise(req, run, started)
         finally:
             self._runs.pop(req.action_id, None)
             self._envs[req.trajectory_id] = time.monotonic()
+
+    async def canary(self) -> None:
+        """``true`` spawned on the launcher thread every action is spawned on, its exit
+        watched as theirs is: a wedged launcher (or fork, or exit watch) never answers.
+
+        It takes no core of its own and needs no free one: it runs, for a millisecond, on the
+        cores of the last action spawned (the launcher thread's mask), beside what runs. A
+        node whose cores are all held by long actions that progress is never suspect (its
+        counters move within the bound), so a canary that waited for a free core would only
+        wrongly fail a busy node; as the agent's own user, in the env root (no trajectory's)."""
+        loop = asyncio.get_running_loop()
+        proc = await loop.run_in_executor(self._launcher, self._spawn_canary)
+        exited: asyncio.Future[int] = loop.create_future()
+        self._watch_exit(proc, exited)
+        code = await exited
+        if code != 0:
+            raise RuntimeError(f"the canary (true) exited {code}")
+
+    def _spawn_canary(self) -> subprocess.Popen[bytes]:
+        env = {"PATH": self.cfg.path, AGENT_TAG: self.cfg.incarnation, ROOT_TAG: str(self.cfg.root)}
+        return subprocess.Popen(
+            ("true",),
+            cwd=self.cfg.root,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def _spawn(
         self, req: ExecRequest, workdir: Path, uid: int | None
@@ -219,6 +269,9 @@ class ProcessBackend:
         ``uid`` (None: this agent's own) is taken on by ``setpriv`` right before the action's
         program (see ``users.as_uid``).
         """
+        doomed = self._doomed.pop(req.action_id, None)
+        if doomed is not None:
+            raise _Doomed(doomed)
         env = self._environ(req, workdir)
         path = env.get("PATH", os.defpath)  # where the program is looked up, as exec would
         argv = req.argv if uid is None else users.as_uid(uid, req.argv, path, workdir)
@@ -255,7 +308,7 @@ class ProcessBackend:
     async def _supervise(self, req: ExecRequest, run: _Run, started: float) -> ExecOutcome:
         out = CappedSink(run.out_fd, req.output_cap_bytes)
         err = CappedSink(run.err_fd, req.output_cap_bytes)
-        self._watch_exit(run)
+        self._watch_exit(run.proc, run.exited)
         try:
             code = await asyncio.wait_for(asyncio.shield(run.exited), req.timeout_s)
         except TimeoutError:
@@ -266,18 +319,18 @@ class ProcessBackend:
         await self._drain(run, out, err)
         return _outcome(run, code, out, err, started, finished, req.timeout_s)
 
-    def _watch_exit(self, run: _Run) -> None:
+    def _watch_exit(self, proc: subprocess.Popen[bytes], exited: asyncio.Future[int]) -> None:
         loop = asyncio.get_running_loop()
-        pidfd = os.pidfd_open(run.proc.pid)
+        pidfd = os.pidfd_open(proc.pid)
 
         def on_exit() -> None:
-            code = run.proc.poll()
+            code = proc.poll()
             if code is None:
                 return
             loop.remove_reader(pidfd)
             os.close(pidfd)
-            if not run.exited.done():
-                run.exited.set_result(code)
+            if not exited.done():
+                exited.set_result(code)
 
         loop.add_reader(pidfd, on_exit)
 
@@ -289,6 +342,14 @@ class ProcessBackend:
             await asyncio.wait([out.eof, err.eof], timeout=DRAIN_AFTER_EXIT_S)
         out.close()
         err.close()
+
+
+class _Doomed(Exception):
+    """An action killed while its spawn waited for the launcher thread: it never starts."""
+
+    def __init__(self, reason: ErrorKind) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 def _killpg(pid: int) -> None:

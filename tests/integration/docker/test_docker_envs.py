@@ -23,6 +23,7 @@ async def test_files_persist_within_a_trajectory_only(backend: DockerBackend) ->
     assert other.failure is None
     assert other.exit_code != 0
     assert backend.env("traj-1").container_id != backend.env("traj-2").container_id
+    assert backend.starts.snapshot() == (3, 0)  # each launch counted once, none left under way
 
 
 async def test_drop_env_removes_the_container_and_its_state(backend: DockerBackend) -> None:
