@@ -16,6 +16,13 @@ Right: the fewest GPUs with which each pooled policy reaches the ACT dedicated g
 plus one with the rest), assuming ACT does not rise with more GPUs; the ACT at the count found
 and at one GPU fewer are recorded. ``null``: not reached within 80.
 
+The pooled policies serve the step before the measured one first (``Config.warmup``: the paper
+measures while training proceeds, and a restored service stays cached, §5.3); ServerlessLLM at
+its keep-alive 0 keeps nothing between steps and SGLang's servers stay loaded, so neither
+changes. ``cold_start_at_1024``: the pooled policies from empty GPUs instead. ``seeds_at_1024``:
+the same point on other draws of the workload (one run is chaotic: a different draw, or the
+same calls shifted in time, moves the ACT by tens of percent).
+
 ``sensitivity``: batch 1024 under each parameter the paper does not give, changed one at a time
 (the rollout recalibrated each time). Restore costs come from ``bench/results/gpu.json``'s
 measured restore bandwidth (else 11.86 GB/s). Independent runs go to two worker processes.
@@ -52,6 +59,8 @@ GPUS = 40  # §6.1: five nodes of eight GPUs
 MAX_GPUS = 80
 EQUAL_ACT_BATCH = 1024  # §6.3: Figure 8(b) right fixes the batch at 1024
 DEFAULT_GB_PER_S = 11.86
+SEEDS = (1, 2, 3, 4)  # other draws at the equal-ACT batch, beside seed 0's point
+ELASTIC = ("elastic", "elastic_hrrs")
 
 
 def bandwidth() -> float:
@@ -173,13 +182,30 @@ def main() -> None:
             for n in POOLED
         }
         pts["elastic", 3072] = pool.submit(measure, replace(base, batch=3072), "elastic")
+        at = replace(base, batch=EQUAL_ACT_BATCH)
+        cold = {n: pool.submit(measure, replace(at, warmup=False), n) for n in ELASTIC}
+        draws = {
+            (n, s): pool.submit(measure, replace(at, seed=s), n) for n in ELASTIC for s in SEEDS
+        }
         sens = {(key, n): pool.submit(measure, cfg, n) for key, n, cfg in _sensitivity_jobs(base)}
         found = {n: f.result() for n, f in searches.items()}
         measured = {k: f.result() for k, f in pts.items()}
         sens_out = {k: f.result() for k, f in sens.items()}
+        extra = {
+            "cold_start_at_1024": {n: f.result() for n, f in cold.items()},
+            "seeds_at_1024": seeds({k: f.result() for k, f in draws.items()}, at),
+        }
     for n in POOLED:
         measured[n, EQUAL_ACT_BATCH] = found[n].pop("point")
     result = assemble(base, dedicated, found, measured, sens_out)
+    result["breakdown_at_128"] = {n: measured[n, 128] for n in POOLED}
+    result.update(extra)
+    result["seeds_at_1024"]["0"] = {
+        **{n: measured[n, EQUAL_ACT_BATCH]["act_s"] for n in ELASTIC},
+        "dedicated": round(dedicated[EQUAL_ACT_BATCH], 2),
+    }
+    result["seeds_at_1024"] = dict(sorted(result["seeds_at_1024"].items()))
+    result["seeds_at_1024"]["mean_ratio"] = mean_ratios(result["seeds_at_1024"])
     (OUT / "fig8b.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["gpus_for_equal_act"]), flush=True)
     plot(result["points"], result["gpus_for_equal_act"]["10"])
@@ -247,6 +273,25 @@ def sensitivity(base: Config, sens: dict[tuple[str, str], dict[str, Any]]) -> di
                 row[f"{n}_restore_share"] = m["restore_share"]
         out[key] = row
     return out
+
+
+def seeds(draws: dict[tuple[str, int], dict[str, Any]], at: Config) -> dict[str, Any]:
+    """Per other draw of the workload at the equal-ACT batch: each elastic policy's ACT and
+    dedicated's."""
+    return {
+        str(s): {
+            **{n: draws[n, s]["act_s"] for n in ELASTIC},
+            "dedicated": round(run(replace(at, seed=s), "dedicated").mean_act(), 2),
+        }
+        for s in SEEDS
+    }
+
+
+def mean_ratios(by_seed: dict[str, dict[str, float | None]]) -> dict[str, float | None]:
+    """Dedicated's mean ACT over each elastic policy's, over the draws."""
+    rows = list(by_seed.values())
+    ded = sum(r["dedicated"] or math.inf for r in rows)
+    return {n: _ratio(ded, sum(r[n] or math.inf for r in rows)) for n in ELASTIC}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -58,6 +58,18 @@ async def raw_bus(nats_url: str) -> AsyncIterator[Bus]:
     bus = await Bus.connect(nats_url, "fake-gateway")
     yield bus
     await bus.close()
+
+
+@pytest.fixture
+def open_state() -> Iterator[Path]:
+    """A state dir under /tmp that the process backend's per-trajectory uids can pass through
+    (pytest's own temporary directories are closed to other users)."""
+    base = Path(tempfile.mkdtemp(prefix="tgs-", dir="/tmp"))
+    os.chmod(base, 0o711)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture

@@ -6,10 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -291,18 +289,6 @@ async def test_the_normal_paths_work_under_their_grants(secured: Secured) -> Non
         await alice.close()
         await gateway.close()
         await scheduler.close()
-
-
-@pytest.fixture
-def open_state() -> Iterator[Path]:
-    """A state dir other users can pass through (the process backend's uids reach their
-    directories); pytest's own temp dirs are closed to them."""
-    base = Path(tempfile.mkdtemp(prefix="tga-", dir="/tmp"))
-    os.chmod(base, 0o711)
-    try:
-        yield base
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
 
 
 async def test_a_mesh_with_auth_serves_a_client_that_found_it(

@@ -8,8 +8,7 @@ import asyncio
 import os
 import shutil
 import signal
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
 
@@ -41,17 +40,6 @@ from tangram.errors import InvalidRequest, NotFound, Unavailable
 from tangram.launcher import Mesh
 from tangram.supervisor import RestartPolicy
 from tests.support import eventually, exec_spec, postgres_pool, running_mesh
-
-
-@pytest.fixture
-def open_state() -> Iterator[Path]:
-    """A state dir the process backend's uids can pass through (pytest's are closed)."""
-    base = Path(tempfile.mkdtemp(prefix="tgc-", dir="/tmp"))
-    os.chmod(base, 0o711)
-    try:
-        yield base
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
 
 
 async def tangram(*argv: str) -> int:

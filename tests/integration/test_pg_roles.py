@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import os
-import shutil
 import stat
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,17 +177,6 @@ async def test_the_dashboard_role_reads_actions_and_keeps_spans(secured: Secured
                 await dash.execute(sql)
     finally:
         await dash.close()
-
-
-@pytest.fixture
-def open_state() -> Iterator[Path]:
-    """A state dir under /tmp, traversable by the trajectories' own uids (as in test_auth)."""
-    base = Path(tempfile.mkdtemp(prefix="tgr-", dir="/tmp"))
-    os.chmod(base, 0o711)
-    try:
-        yield base
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
 
 
 async def test_a_secure_mesh_runs_under_its_roles_and_after_a_restart(

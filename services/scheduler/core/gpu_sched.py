@@ -498,14 +498,21 @@ class GpuScheduler:
         return effects
 
     def _running_views(self, node: Node) -> list[Running]:
-        """One per busy chunk (it frees when its last call ends: the latest started)."""
+        """One per busy chunk (it frees when its last call ends: the latest started), ending
+        when its calls were predicted to at dispatch: a restore included, which a duration
+        model alone leaves out (the policy would see a chunk that restores for seconds free
+        after the execution alone)."""
         latest: dict[tuple[int, ...], Dispatched] = {}
+        ends: dict[tuple[int, ...], float | None] = {}
         for r in self.core.running.values():
             if r.node_id == node.node_id:
                 seen = latest.get(r.cores)
                 if seen is None or r.started_at > seen.started_at:
                     latest[r.cores] = r
-        return [_running_view(r) for r in latest.values()]
+                end = self._ends.get(r.action.spec.action_id)
+                prior = ends.get(r.cores, end)
+                ends[r.cores] = None if end is None or prior is None else max(end, prior)
+        return [_running_view(r, ends[r.cores]) for r in latest.values()]
 
     def _view(
         self, act: UnifiedAction, node: Node, facts: GpuFacts, chunks: list[gpu.Chunk]
@@ -616,12 +623,13 @@ def _facts(node: Node) -> GpuFacts:
     return node.gpu
 
 
-def _running_view(r: Dispatched) -> Running:
+def _running_view(r: Dispatched, end: float | None = None) -> Running:
     hint = r.action.spec.duration
     return Running(
         r.action.spec.action_id,
         len(r.cores),
         r.started_at,
+        expected_end=end,
         profile=profile_of(r.action),
         t_ori_s=hint.t_ori_s if hint else None,
         parallel_fraction=hint.parallel_fraction if hint else None,

@@ -3,7 +3,8 @@ pooled GPUs, and its two baselines (``mopd_baselines``).
 
 Policies (``run``), all on ``cfg.gpus`` GPUs but dedicated (which is its deployment):
 - ``elastic`` -- Tangram: the scheduler core (elastic DoP over buddy chunks, Algorithm 4,
-  residency-aware, restore cost in the duration, FCFS, depth 2: §4.2, §6.1) on pooled GPUs.
+  residency-aware, restore cost in the duration, FCFS, depth 2: §4.2, §6.1) on pooled GPUs,
+  after the step before the measured one (``Config.warmup``: what it left stays resident).
   The simulated agents keep each GPU's memory with LRU eviction and report residency after
   every change, as the gpu_manager does; a call whose variant is not resident on its chunk
   first restores it (footprint / the measured restore bandwidth) and evicts without
@@ -43,7 +44,9 @@ from services.scheduler.sim.mopd_workload import (
     GPU_MEMORY_MB,
     SGLANG_ACT_S,
     SGLANG_BATCH,
+    STEP_GAP_S,
     TEACHERS,
+    WARMUP_SEED_OFFSET,
     Call,
     Config,
     Outcomes,
@@ -132,6 +135,7 @@ class Pooled:
         self.core = SchedulerCore(make_policy(policy), core_cfg)
         self.teachers = {t.name: t for t in teachers(cfg)}
         self.beside_copy = 0  # restores while a copy of the teacher sat on other GPUs
+        self.clock = 0.0  # when the last call served so far ended
         # max_batch=1: compute-bound calls gain nothing from batching (module docstring);
         # the dedicated servers follow the same rule.
         specs = [
@@ -176,14 +180,26 @@ class Pooled:
             services=services,
         )
 
-    def run(self, calls: list[Call]) -> Outcomes:
+    def run(self, calls: list[Call], before: list[Call] | None = None) -> Outcomes:
+        """``calls`` on the pool; ``before`` (the previous step, ``Config.warmup``) first, to
+        the last call, and ``calls`` ``STEP_GAP_S`` later on what it left resident. Only
+        ``calls`` are counted (their ACT does not depend on the shift)."""
+        if not before:
+            return self._drive(calls, 0.0)
+        self._drive([replace(c, call_id=f"p{c.call_id}") for c in before], 0.0)
+        self.beside_copy = 0
+        return self._drive(calls, self.clock + STEP_GAP_S)
+
+    def _drive(self, calls: list[Call], offset: float) -> Outcomes:
+        """Serve ``calls`` from ``offset`` on (their times shifted by it) until all are done."""
+        calls = [replace(c, at=c.at + offset) for c in calls] if offset else calls
         out = Outcomes(len(calls))
         events: list[tuple[float, int, str]] = []
         by_id = {c.call_id: c for c in calls}
         pending: dict[str, tuple[StartOnNode, float, float]] = {}
         for seq, c in enumerate(calls):
             heapq.heappush(events, (c.at, seq, c.call_id))
-        seq, busy = len(calls), 0
+        seq, busy, now = len(calls), 0, offset
         while events:
             now = events[0][0]
             while events and events[0][0] == now:
@@ -205,6 +221,7 @@ class Pooled:
                     seq += 1
                     heapq.heappush(events, (now + exec_s + restore, seq, e.action.spec.action_id))
         out.restores_beside_copy = self.beside_copy
+        self.clock = max(self.clock, now)
         return out
 
     def _start(self, e: StartOnNode, now: float) -> tuple[float, float]:
@@ -275,4 +292,5 @@ def run(cfg: Config, policy: str, order: str = "fcfs") -> Outcomes:
         return run_maas(cfg, calls)
     if policy != "elastic":
         raise ValueError(f"unknown policy {policy!r}; known: elastic, dedicated, maas")
-    return Pooled(cfg, "elastic", order).run(calls)
+    before = workload(replace(cfg, seed=cfg.seed + WARMUP_SEED_OFFSET)) if cfg.warmup else None
+    return Pooled(cfg, "elastic", order).run(calls, before)

@@ -33,6 +33,13 @@ Paper (ARL-Tangram §6.1, §6.3, Table 1) -> here:
   tenth and the whole rollout).
 - Restore bandwidth: not given -> this machine's measured restore (``bench/results/gpu.json``),
   charged for the whole model, as the scheduler core prices grants.
+- Steps: the paper measures ACT while RL training proceeds (§6.2, Figure 6: "as RL training
+  proceeds"; §6.3 averages over trajectories), and a restored service "remains cached in GPU
+  memory until it is evicted at a later time" (§5.3), as the SGLang baseline's servers stay
+  loaded -> the pooled run serves the step before the measured one first (``warmup``: another
+  draw of the same workload, ``WARMUP_SEED_OFFSET``), so the measured step starts with what
+  that step left resident; ``warmup=False`` is the cold start (every service in host memory
+  only), recorded beside it.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ MIXED_SIZES_B = (4.0, 4.0, 8.2, 8.2, 14.8, 14.8, 32.8, 32.8, 32.8, 32.8)
 UNIFORM_32B = (32.8,) * 10
 CALIBRATED_TOKENS = 6_784  # module docstring; bench/fig8b.py records the check (table1)
 CALIBRATED_ROLLOUT_S = 54.2  # what ``mopd_gpu.calibrated`` gives for the default Config
+WARMUP_SEED_OFFSET = 1000  # the step before the measured one: another draw of the workload
+STEP_GAP_S = 60.0  # between the previous step's last call and the measured step (training)
 
 # Table 1, MOPD on Tangram (seconds per call): execution, queue, system overhead (restores).
 TABLE1 = {
@@ -107,6 +116,7 @@ class Config:
     gpus: int = 40
     restore_gb_per_s: float = 11.86
     seed: int = 0
+    warmup: bool = True  # serve the previous step first (module docstring: Steps)
     maas: ServerlessConfig = field(default_factory=ServerlessConfig)
 
 
