@@ -110,6 +110,9 @@ class DockerBackend:
         # container's executor. Creating, pulling, waking or pinning a container is none.
         self.starts = Starts()
         self._threads = ThreadPoolExecutor(cfg.threads, thread_name_prefix="docker")
+        # The canary's own thread: not queued behind the pool, which a healthy node's
+        # removals, creations and restores may hold for seconds (see ``canary``).
+        self._canary_thread = ThreadPoolExecutor(1, thread_name_prefix="docker-canary")
         self._envs: dict[str, ContainerEnv] = {}
         self._creating: dict[str, asyncio.Future[ContainerEnv]] = {}
         self._lost: dict[str, str] = {}
@@ -162,6 +165,7 @@ class DockerBackend:
             await self._sweep(mine=True)  # anything a cancelled creation left behind
         await self.call(self.engine.close)
         self._threads.shutdown(wait=False)
+        self._canary_thread.shutdown(wait=False)
         self._state = State.CLOSED
 
     async def _sweep(self, mine: bool) -> int:
@@ -178,11 +182,17 @@ class DockerBackend:
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
 
     async def canary(self) -> None:
-        """The health detector's canary: the engine answers a ping through the threads and
-        the client every action's calls take (a wedged pool or engine never answers). It
-        holds no container and no core: it runs beside whatever runs (a node whose cores are
-        all held by progressing actions is not suspect, so it needs no free one)."""
-        await self.call(self.engine.api.ping)
+        """The health detector's canary: the engine answers a ping through the client every
+        action's calls take (a wedged engine never answers). On a thread of its own, not
+        queued behind the pool: a mass of removals (trajectories dropped at a step's end),
+        creations or restores may hold every pool thread for longer than the probe timeout
+        on a healthy node, and each pool call is bounded by ``api_timeout_s`` anyway, so the
+        pool cannot stay wedged. It holds no container and no core: it runs beside whatever
+        runs. It does not reach the executors inside the containers: one of them wedged is
+        its environment's failure (its action hangs, the container is quarantined), not
+        the node's."""
+        api = self.engine.api
+        await asyncio.get_running_loop().run_in_executor(self._canary_thread, api.ping)
 
     # ---------------------------------------------------------------- Backend API
 

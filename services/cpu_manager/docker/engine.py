@@ -190,7 +190,7 @@ class Engine:
             base_url=self.cfg.docker_host or None,
             version=api_version,
             timeout=self.cfg.api_timeout_s,
-            max_pool_size=self.cfg.threads,
+            max_pool_size=self.cfg.threads + 1,  # the pool's threads and the canary's
         )
         return str(info.get("Version", "unknown"))
 

@@ -17,14 +17,18 @@ import contextlib
 import hashlib
 import logging
 import os
+import queue
 import shutil
 import signal
 import subprocess
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
 
 import psutil
 
@@ -36,6 +40,8 @@ from tangram.agent.starts import Starts
 from tangram.contract import ErrorKind
 
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
+T = TypeVar("T")
 
 DRAIN_AFTER_EXIT_S = 0.5  # background children may hold the pipes; stop reading after this
 AGENT_TAG = "TANGRAM_AGENT_INCARNATION"
@@ -119,7 +125,7 @@ class ProcessBackend:
 
     def __init__(self, cfg: ProcessConfig) -> None:
         self.cfg = cfg
-        self._launcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="launcher")
+        self._launcher = Launcher()
         self._runs: dict[str, _Run] = {}
         # Actions waiting for the launcher thread, and those of them killed meanwhile: a
         # spawn queued behind a wedged launcher (its node fenced, its actions ended
@@ -165,7 +171,7 @@ class ProcessBackend:
     async def close(self) -> None:
         for aid in (*self._runs, *self._spawning):
             await self.kill(aid, ErrorKind.CANCELLED)
-        self._launcher.shutdown(wait=True, cancel_futures=True)
+        self._launcher.shutdown(cancel_futures=True)  # never waits (see Launcher)
         if self._claim is not None:
             self._claim.release()
 
@@ -295,6 +301,8 @@ class ProcessBackend:
         finally:
             os.close(out_w)
             os.close(err_w)
+        if req.action_id in self._doomed:  # killed meanwhile: its run may be gone (closed)
+            _killpg(proc.pid)
         return proc, out_r, err_r
 
     def _environ(self, req: ExecRequest, workdir: Path) -> dict[str, str]:
@@ -342,6 +350,55 @@ class ProcessBackend:
             await asyncio.wait([out.eof, err.eof], timeout=DRAIN_AFTER_EXIT_S)
         out.close()
         err.close()
+
+
+class Launcher(Executor):
+    """The launcher thread: what is submitted runs on one daemon thread, in order.
+
+    Not a ``ThreadPoolExecutor``: a launcher wedged in a spawn (a program or a directory on a
+    hung mount, exactly what the health detector's canary finds) must not keep the fenced
+    agent from exiting, so that its supervisor starts a new incarnation. ``shutdown`` never
+    waits for it, and the interpreter does not join it at exit (it joins every pool thread).
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]
+        self._jobs = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        if self._closed:
+            raise RuntimeError("the launcher is shut down")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="launcher", daemon=True)
+            self._thread.start()
+        fut: Future[T] = Future()
+        self._jobs.put((fut, partial(fn, *args, **kwargs)))
+        return fut
+
+    def shutdown(self, wait: bool = False, *, cancel_futures: bool = False) -> None:
+        """Stop taking work; with ``cancel_futures`` what waits never runs. ``wait`` is
+        ignored: a wedged launcher would hold the caller (the event loop) for good."""
+        self._closed = True
+        while cancel_futures:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        self._jobs.put(None)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, fn = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # the caller's to see, as a pool thread hands it on
+                fut.set_exception(exc)
 
 
 class _Doomed(Exception):
