@@ -541,6 +541,36 @@ def _resynced(tasks: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], 
     return done
 
 
+async def admits(url: str, creds: str | Path, timeout_s: int = 2) -> bool:
+    """Whether the broker at ``url`` takes the login in ``creds`` now: one attempt, no
+    reconnecting, the connection closed before returning (a probe, not a bus: a reconnecting
+    client's refused attempts are what leave sockets behind). Unreachable: ``Unavailable``."""
+    who = auth.load_creds(creds)
+    nc = NATS()
+    try:
+        await nc.connect(
+            url,
+            user=who.user,
+            password=who.password,
+            inbox_prefix=who.inbox_prefix,
+            connect_timeout=timeout_s,
+            allow_reconnect=False,
+            max_reconnect_attempts=0,
+            error_cb=_ignore,
+        )
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
+        if _is_refusal(exc):
+            return False
+        raise Unavailable(f"cannot connect to NATS at {url}: {exc or type(exc).__name__}") from exc
+    finally:  # without reconnecting, nats-py raises a refusal with its socket still open
+        await _close_quietly(nc)
+    return True
+
+
+async def _ignore(exc: Exception) -> None:
+    """A probe's errors are its answer (raised from ``connect``), not news to log."""
+
+
 def _is_refusal(exc: BaseException) -> bool:
     """The broker rejected the login (nats-py raises it as a plain error while connecting)."""
     return isinstance(exc, nats.errors.AuthorizationError) or (
@@ -585,6 +615,13 @@ async def _close_quietly(nc: NATS) -> None:
     hangs on a dead socket must not hold up the caller's deadline."""
     with contextlib.suppress(TimeoutError, nats.errors.Error, OSError):
         await asyncio.wait_for(nc.close(), 1.0)
+    # nats-py closes a failed attempt's socket, marks itself closed, and its next attempt opens
+    # another; a close then returns early (already closed), leaving that socket open (a leaked
+    # StreamWriter, seen when a login is refused twice in a row). Close whatever is left.
+    transport = getattr(nc, "_transport", None)
+    if transport is not None:
+        with contextlib.suppress(Exception):
+            transport.close()
 
 
 def _log_event(text: str) -> Callable[[], Awaitable[None]]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tangram import auth, discovery
 from tangram.auth import CLIENT, DEFAULT_CLIENT, FRONT, SERVICE_ROLES, Keyring, Principal
-from tangram.bus import Bus
+from tangram.bus import admits
 from tangram.embedded import NATS_PID_FILE
 from tangram.errors import InvalidRequest, NotFound, Unavailable
 
@@ -147,18 +147,18 @@ async def wait_admitted(url: str, creds: Path) -> None:
     deadline = time.monotonic() + RELOAD_WAIT_S
     while True:
         try:
-            bus = await Bus.connect(url, "tangram-client-check", creds=creds, deadline_s=2.0)
+            if await admits(url, creds):
+                return
+            why = "its login is refused still"
         except Unavailable as exc:
-            if time.monotonic() > deadline:
-                raise Unavailable(
-                    f"the broker did not admit {creds} within {RELOAD_WAIT_S:.0f}s ({exc}); the"
-                    " credential and the broker's config are written: the mesh's nats-server"
-                    " admits it when it (re)starts"
-                ) from exc
-            await asyncio.sleep(0.05)
-            continue
-        await bus.close()
-        return
+            why = str(exc)
+        if time.monotonic() > deadline:
+            raise Unavailable(
+                f"the broker did not admit {creds} within {RELOAD_WAIT_S:.0f}s ({why}); the"
+                " credential and the broker's config are written: the mesh's nats-server"
+                " admits it when it (re)starts"
+            )
+        await asyncio.sleep(0.05)
 
 
 # ------------------------------------------------------------------ the commands

@@ -23,7 +23,7 @@ from services.gateway.formulation import Limits, formulate
 from services.gateway.service import Gateway
 from tangram import auth, cli, subjects
 from tangram.auth import CLIENT, Keyring, Principal
-from tangram.bus import Bus
+from tangram.bus import Bus, admits
 from tangram.client import Client
 from tangram.contract import (
     Done,
@@ -177,12 +177,7 @@ async def answers_go_home_alone(state: Path, a: Client, b: Client) -> None:
 
 
 async def refused(url: str, creds: Path) -> bool:
-    try:
-        bus = await Bus.connect(url, "removed", creds=creds, deadline_s=2)
-    except Unavailable as exc:
-        return "wrong credentials" in str(exc)
-    await bus.close()
-    return False
+    return not await admits(url, creds)
 
 
 # ------------------------------------------------------------------ the intake statement
