@@ -13,8 +13,10 @@ from typing import Any, TypeVar
 
 import asyncpg
 import msgspec
+import nats
+from nats.aio.client import Client as NATS
 
-from tangram import db
+from tangram import auth, db
 from tangram.bus import Bus
 from tangram.client import Client
 from tangram.contract import (
@@ -173,3 +175,21 @@ async def burst(
     lines = (await asyncio.to_thread(ran.read_text)).split()
     assert sorted(lines) == sorted(r.action_id for r in results)
     return list(results)
+
+
+async def raw_nats(url: str, creds: Path, errors: list[Exception]) -> NATS:
+    """A bare connection (no reconnecting) presenting the credential in ``creds``; what the
+    broker refuses it (a permissions violation) is appended to ``errors``."""
+    who = auth.load_creds(creds)
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(exc)
+
+    return await nats.connect(
+        url,
+        user=who.user,
+        password=who.password,
+        inbox_prefix=who.inbox_prefix,
+        error_cb=on_error,
+        allow_reconnect=False,
+    )

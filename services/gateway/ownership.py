@@ -26,6 +26,8 @@ gateway publish its answer where the client may not, such as another client's re
 
 from __future__ import annotations
 
+import functools
+
 import asyncpg
 
 from services.gateway import store
@@ -34,8 +36,8 @@ from tangram.errors import InvalidRequest, NotFound
 
 _CLIENT_DOOR = subjects.GATEWAY_PREFIX + "."
 _ADMIN_DOOR = subjects.ADMIN_PREFIX + "."
-_INBOXES: dict[str, tuple[str, ...]] = {}  # owner -> its inbox prefixes (see _inboxes)
-_INBOXES_MAX = 4096  # bounded: without auth, anyone may invent owners
+# owner -> its inbox prefixes; bounded: without auth, anyone may invent owners
+_inboxes = functools.lru_cache(maxsize=4096)(auth.client_inboxes)
 
 
 def owner_of(subject: str) -> str:
@@ -50,20 +52,10 @@ def owner_of(subject: str) -> str:
 
 def replies_home(reply: str, owner: str) -> bool:
     """Whether a request of client ``owner`` asks for its answer on its own inbox: one dict
-    lookup and one ``startswith`` per request (measured ~0.1 us, see the tests)."""
+    lookup and one ``startswith`` per request (~0.16 us, timeit of 200,000 calls)."""
     if not owner:
         return True
-    prefixes = _INBOXES.get(owner)
-    return reply.startswith(prefixes if prefixes is not None else _inboxes(owner))
-
-
-def _inboxes(owner: str) -> tuple[str, ...]:
-    found = _INBOXES.get(owner)
-    if found is None:
-        if len(_INBOXES) >= _INBOXES_MAX:
-            _INBOXES.clear()
-        found = _INBOXES[owner] = auth.client_inboxes(owner)
-    return found
+    return reply.startswith(_inboxes(owner))
 
 
 def stray_reply(reply: str, owner: str) -> str:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -38,7 +37,7 @@ from tangram.contract import (
 from tangram.contract.agent import Reconcile
 from tangram.embedded import EmbeddedNats
 from tangram.errors import InvalidRequest, NotFound, Unavailable
-from tests.support import eventually, exec_spec, running_mesh
+from tests.support import eventually, exec_spec, raw_nats, running_mesh
 
 ALICE, BOB = Principal(CLIENT, "alice"), Principal(CLIENT, "bob")
 NODE1, NODE2 = Principal(NODE, "n1"), Principal(NODE, "n2")
@@ -68,21 +67,8 @@ async def secured(tmp_path: Path) -> AsyncIterator[Secured]:
 
 async def raw(s: Secured, who: Principal) -> tuple[NATS, list[Exception]]:
     """A bare connection with ``who``'s credentials that collects what the broker refuses."""
-    creds = auth.load_creds(s.ring.path(who))
     errors: list[Exception] = []
-
-    async def on_error(exc: Exception) -> None:
-        errors.append(exc)
-
-    nc = await nats.connect(
-        s.url,
-        user=creds.user,
-        password=creds.password,
-        inbox_prefix=creds.inbox_prefix,
-        error_cb=on_error,
-        allow_reconnect=False,
-    )
-    return nc, errors
+    return await raw_nats(s.url, s.ring.path(who), errors), errors
 
 
 def refused(errors: list[Exception], what: str) -> bool:
@@ -134,8 +120,7 @@ async def test_a_refused_login_leaves_no_socket_open(secured: Secured) -> None:
             with pytest.raises(Unavailable, match="wrong credentials"):  # a reconnecting bus
                 await Bus.connect(secured.url, "guesser", creds=forged, deadline_s=5)
         assert await admits(secured.url, secured.ring.path(ALICE))
-        await asyncio.sleep(0.1)  # closes that completed
-        assert open_sockets() == before
+        await eventually(lambda: open_sockets() == before, what="every socket closed")
     finally:
         gc.enable()
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import asyncpg
 import msgspec
-import nats
 import pytest
 
 from services.gateway import ownership, store
@@ -39,7 +38,7 @@ from tangram.embedded import NATS_PID_FILE
 from tangram.errors import InvalidRequest, NotFound, Unavailable
 from tangram.launcher import Mesh
 from tangram.supervisor import RestartPolicy
-from tests.support import eventually, exec_spec, postgres_pool, running_mesh
+from tests.support import eventually, exec_spec, postgres_pool, raw_nats, running_mesh
 
 
 async def tangram(*argv: str) -> int:
@@ -49,20 +48,8 @@ async def tangram(*argv: str) -> int:
 
 async def broker_refuses(url: str, creds: Path, subscribe: str = "", publish: str = "") -> bool:
     """Whether the broker refuses ``creds`` reading or writing that subject."""
-    who = auth.load_creds(creds)
     errors: list[Exception] = []
-
-    async def on_error(exc: Exception) -> None:
-        errors.append(exc)
-
-    nc = await nats.connect(
-        url,
-        user=who.user,
-        password=who.password,
-        inbox_prefix=who.inbox_prefix,
-        error_cb=on_error,
-        allow_reconnect=False,
-    )
+    nc = await raw_nats(url, creds, errors)
     try:
         if subscribe:
             await nc.subscribe(subscribe)

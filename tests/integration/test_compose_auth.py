@@ -23,7 +23,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import asyncpg
-import nats
 import pytest
 import yaml
 from nats.aio.client import Client as NATS
@@ -38,7 +37,7 @@ from tangram.discovery import free_port
 from tangram.embedded import EmbeddedNats, EmbeddedPostgres
 from tangram.errors import Unavailable
 from tests.integration.test_compose import COMPOSE, compose_tool
-from tests.support import eventually, exec_spec
+from tests.support import eventually, exec_spec, raw_nats
 
 KEYS = Path("/var/lib/tangram-keys")  # where compose mounts the tangram-keys volume
 SERVICES = ("gateway", "scheduler", "scheduler-standby", "cpu_manager", "quota_manager")
@@ -182,19 +181,7 @@ async def broker(tmp_path: Path) -> AsyncIterator[Broker]:
 
 
 async def connect(b: Broker, who: Principal, errors: list[Exception]) -> NATS:
-    creds = auth.load_creds(b.ring.path(who))
-
-    async def on_error(exc: Exception) -> None:
-        errors.append(exc)
-
-    return await nats.connect(
-        b.url,
-        user=creds.user,
-        password=creds.password,
-        inbox_prefix=creds.inbox_prefix,
-        error_cb=on_error,
-        allow_reconnect=False,
-    )
+    return await raw_nats(b.url, b.ring.path(who), errors)
 
 
 def refused(errors: list[Exception], subject: str) -> bool:

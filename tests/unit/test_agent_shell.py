@@ -212,8 +212,10 @@ async def test_a_canary_is_answered_once_it_completed_and_probes_share_one() -> 
             await sched.request(node, canary, timeout=0.1)
         with pytest.raises(InvalidRequest, match="incarnation"):  # another incarnation's
             await sched.request(node, Ping(incarnation="old", canary=True), timeout=1)
+        pings = next(s for s in bus._servers if s.subject == node.subject)
+        heard = pings.served
         second = asyncio.create_task(sched.request(node, canary, timeout=2))
-        await asyncio.sleep(0.05)
+        await eventually(lambda: pings.served > heard, what="the second probe heard")
         executor.unwedge.set()
         assert isinstance(await second, Ack)
         assert executor.canaries == 1  # the second probe waited on the first's canary

@@ -75,7 +75,7 @@ async def test_an_action_killed_while_its_spawn_waits_never_starts(
     backend._launcher.submit(wedge.wait)
     try:
         run = asyncio.ensure_future(backend.run(request("a", marker)))
-        await asyncio.sleep(0.05)
+        await eventually(lambda: "a" in backend._spawning, what="its spawn queued")
         assert await backend.kill("a", ErrorKind.NODE_DIED)
     finally:
         wedge.set()

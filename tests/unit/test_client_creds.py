@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import timeit
 from pathlib import Path
 
 import pytest
@@ -257,12 +256,3 @@ async def test_a_client_request_answered_elsewhere_than_its_inbox_is_dropped() -
     assert ownership.replies_home("_INBOX_client-bob.x.1", "bob")
     assert ownership.replies_home("_INBOX_front-bob.x.1", "bob")  # the reward front's door
     assert ownership.replies_home("anything", "")  # the shared subject: the operator's
-
-
-def test_the_reply_check_costs_well_under_a_microsecond() -> None:
-    """It runs on every gateway request: a cached tuple and one ``startswith``."""
-    reply = "_INBOX_client-team-a.Kp3x9vQ2rT7mN1.42"
-    ownership.replies_home(reply, "team-a")
-    n = 200_000
-    took = timeit.timeit(lambda: ownership.replies_home(reply, "team-a"), number=n)
-    assert took / n < 2e-6, f"{took / n * 1e9:.0f} ns per check"
