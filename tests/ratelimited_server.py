@@ -150,3 +150,31 @@ class RateLimitedServer:
 
     async def _redirect(self, request: web.Request) -> web.Response:
         raise web.HTTPFound(request.query.get("to", "/call"))
+
+
+async def _serve(config: ServerConfig) -> None:
+    """Serve until killed, the URL on the first line of stdout (see ``main``)."""
+    async with RateLimitedServer(config) as server:
+        print(server.url, flush=True)
+        await asyncio.Event().wait()
+
+
+def main() -> None:
+    """``python -m tests.ratelimited_server --per-second N --concurrency N [--latency-s S]``:
+    the server in a process of its own (the bench's, so the callers' process does not also
+    serve the API they call), its URL printed first; SIGTERM stops it."""
+    import argparse
+
+    import uvloop
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--per-second", type=int, required=True)
+    ap.add_argument("--concurrency", type=int, required=True)
+    ap.add_argument("--latency-s", type=float, default=0.0)
+    args = ap.parse_args()
+    config = ServerConfig(args.per_second, args.concurrency, args.latency_s)
+    uvloop.run(_serve(config))
+
+
+if __name__ == "__main__":
+    main()

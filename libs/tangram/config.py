@@ -24,7 +24,7 @@ class MeshConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     nats_url: str = "nats://127.0.0.1:4222"
     postgres_dsn: str = "postgresql://postgres@127.0.0.1:5432/postgres"
     otel_endpoint: str | None = None
-    stored_traces_per_s: float = 50.0  # traces started a second for the dashboard (0: off)
+    stored_traces_per_s: float = 10.0  # traces started a second for the dashboard (0: off)
     drain_s: float = 10.0
     # How often a gateway or scheduler publishes its heartbeat (TANGRAM_HEARTBEAT_S; tangram.beats)
     heartbeat_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 1.0

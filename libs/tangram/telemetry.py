@@ -47,6 +47,7 @@ BUFFERED: Final = 50_000  # finished spans held while the broker is away; the ol
 _configured = False
 _store: SpanStore | None = None
 _roots: RootSampler | None = None  # None: every message without context starts a trace
+_tracer: trace.Tracer | None = None  # the installed provider's, got once (see tracer())
 
 
 def setup(
@@ -58,7 +59,7 @@ def setup(
 ) -> bool:
     """Install an SDK tracer provider when spans are exported (an endpoint or an explicit
     exporter is given) or stored (``traces_per_s`` > 0: new traces a second, at most)."""
-    global _configured, _store, _roots
+    global _configured, _store, _roots, _tracer
     store = traces_per_s > 0
     if _configured or (endpoint is None and exporter is None and not store):
         return _configured
@@ -76,6 +77,7 @@ def setup(
         if exporter is None:  # an exporter is given every trace, as before
             _roots = RootSampler(traces_per_s)
     trace.set_tracer_provider(provider)
+    _tracer = trace.get_tracer(TRACER_NAME)  # the global provider's (the first set wins)
     _configured = True
     return True
 
@@ -244,7 +246,9 @@ def _traces_url(endpoint: str) -> str:
 
 
 def tracer() -> trace.Tracer:
-    return trace.get_tracer(TRACER_NAME)
+    """The tracer of this process's provider: got once at setup, since asking the SDK for it
+    costs ~8 us a span (a fifth of a traced hop's CPU, measured with cProfile)."""
+    return _tracer if _tracer is not None else trace.get_tracer(TRACER_NAME)
 
 
 def recording() -> bool:

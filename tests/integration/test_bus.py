@@ -226,3 +226,28 @@ def test_subject_wildcards_match_as_in_nats():
     assert matches("a.>", "a.b.c")
     assert not matches("a.>", "a")
     assert not matches("a.b", "a.b.c")
+
+
+async def test_a_publish_leaves_before_its_sender_yields(nats_url: str) -> None:
+    """A published message is handed to the socket by ``publish`` itself, not left for
+    nats-py's flusher task (which runs only after whatever else its sender woke first): a
+    nats-py whose internals moved fails here rather than silently adding a hop's latency."""
+    sender, receiver = await Bus.connect(nats_url, "sender"), await Bus.connect(nats_url, "rcv")
+    got: list[Done] = []
+    try:
+        sub = await receiver.nc.subscribe("t.through", cb=_collect(got))
+        await receiver.nc.flush()
+        await sender.publish("t.through", Done())
+        assert sender.nc._pending_data_size == 0 and sender.nc._pending == []
+        await eventually(lambda: got == [Done()], what="the published message received")
+        await sub.unsubscribe()
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
+def _collect(into: list[Done]) -> Callable[[Msg], Awaitable[None]]:
+    async def cb(msg: Msg) -> None:
+        into.append(codec.decode(msg.data, Done))
+
+    return cb

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import aiohttp
@@ -80,3 +81,23 @@ async def test_redirect_endpoint() -> None:
         ) as resp:
             assert resp.status == 302
             assert resp.headers["Location"] == target
+
+
+async def test_the_server_in_a_process_of_its_own() -> None:
+    """``python -m tests.ratelimited_server`` (the bench's): URL first, limits held, /stats
+    counts; a bad argument is refused before it serves."""
+    from bench.quota import ServerProcess
+
+    async with ServerProcess(ServerConfig(per_second=2, concurrency=2)) as server:
+        async with aiohttp.ClientSession() as session:
+            statuses = [(await call(session, server.url, "j"))[0] for _ in range(3)]
+        stats = await server.stats()
+    assert statuses == [200, 200, 429]
+    assert stats["jobs"] == {"j": {"ok": 2, "throttled": 1}}
+    bad = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.ratelimited_server", "--per-second", "many",
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await bad.communicate()
+    assert bad.returncode == 2
+    assert b"--per-second" in err
