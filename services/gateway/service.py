@@ -83,6 +83,7 @@ class Gateway(Service):
             self._insert, max_batch=cfg.max_batch
         )
         self._intake_conn = db.Held(pool, db.CUSTOM_PLANS)  # no pool reset per batch
+        self.claims = store.Claims()  # trajectory claims seen committed: no re-check
         self.admission = Admission(cfg.bounds())
         # Over the bound, is a refused submit's action already durable? One query per batch
         # of refusals, so shedding load does not cost a round trip each.
@@ -94,7 +95,9 @@ class Gateway(Service):
         """Make a batch durable, then hand its new actions to the scheduler at once, ahead
         of the replies (one message a batch: a lost one is found by the scheduler's sweep of
         durable queued actions)."""
-        intakes = await self._intake_conn.run(lambda conn: store.insert_actions(conn, batch))
+        intakes = await self._intake_conn.run(
+            lambda conn: store.insert_actions(conn, batch, self.claims)
+        )
         new = [o.action for o, i in zip(batch, intakes, strict=True) if i.new]
         self.accepted += len(new)
         for run in batches(new):

@@ -64,6 +64,26 @@ WITH input AS (
 SELECT action_id, '' AS owner, true AS allowed, NULL::bigint AS n FROM ins
 """
 
+# A batch whose every owned action is in a trajectory this gateway saw claimed by that same
+# owner (``Claims``): nothing to claim or check, since a claim is never moved or dropped
+# (trajectory_owners only grows). The plain insert, owners stored: 0.45 ms a one-row batch
+# against 0.73 ms with the claim (p50 of 300 on this machine's embedded Postgres).
+_INSERT_CLAIMED = """
+WITH input AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[],
+                         $6::float8[], $7::text[])
+        AS t(action_id, job_id, trajectory_id, kind, spec, submitted_at, owner)
+), ins AS (
+    INSERT INTO actions (action_id, job_id, trajectory_id, kind, status, spec, submitted_at,
+                         owner)
+    SELECT action_id, job_id, trajectory_id, kind, 'queued', spec, submitted_at, owner
+    FROM input
+    ON CONFLICT (action_id) DO NOTHING
+    RETURNING action_id, owner
+)
+SELECT action_id, owner, true AS allowed, NULL::bigint AS n FROM ins
+"""
+
 _EXISTING = "SELECT action_id, status, result, owner FROM actions WHERE action_id = ANY($1::text[])"
 
 
@@ -93,6 +113,35 @@ class Owned:
     owner: str
 
 
+class Claims:
+    """Trajectory claims this gateway saw committed (trajectory -> owner), the newest
+    ``limit`` of them: a batch they cover needs no claim statement (``_INSERT_CLAIMED``)."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self.limit = limit
+        self._owners: dict[str, str] = {}
+        self.hits = 0  # batches written without the claim statement
+
+    def covers(self, items: Sequence[Owned]) -> bool:
+        """Whether every owned action with a trajectory is in one claimed by its owner."""
+        return all(
+            not i.owner
+            or not i.action.spec.trajectory_id
+            or self._owners.get(i.action.spec.trajectory_id) == i.owner
+            for i in items
+        )
+
+    def learn(self, items: Sequence[Owned], inserted: dict[str, str]) -> None:
+        """An owned action inserted in a trajectory proves its owner holds that trajectory."""
+        for i in items:
+            tid = i.action.spec.trajectory_id
+            if i.owner and tid and inserted.get(i.action.spec.action_id) == i.owner:
+                self._owners.pop(tid, None)  # to the newest end
+                self._owners[tid] = i.owner
+        while len(self._owners) > self.limit:
+            del self._owners[next(iter(self._owners))]
+
+
 def _columns(items: Sequence[Owned]) -> list[list[object]]:
     actions = [i.action for i in items]
     return [
@@ -119,24 +168,30 @@ class _Outcome:
     refused: set[int]
 
 
-async def _statement(conn: asyncpg.Connection, items: Sequence[Owned]) -> _Outcome:
+async def _statement(conn: asyncpg.Connection, items: Sequence[Owned], claims: Claims) -> _Outcome:
     columns = _columns(items)
-    owned = any(i.owner for i in items)
-    rows = await conn.fetch(*((_INSERT, *columns) if owned else (_INSERT_ANON, *columns[:-1])))
+    if not any(i.owner for i in items):
+        rows = await conn.fetch(_INSERT_ANON, *columns[:-1])
+    elif claims.covers(items):
+        claims.hits += 1
+        rows = await conn.fetch(_INSERT_CLAIMED, *columns)
+    else:
+        rows = await conn.fetch(_INSERT, *columns)
     inserted = {r["action_id"]: r["owner"] for r in rows if r["allowed"]}
+    claims.learn(items, inserted)
     return _Outcome(inserted, {r["n"] - 1 for r in rows if not r["allowed"]})
 
 
-async def _intake(conn: asyncpg.Connection, items: Sequence[Owned]) -> _Outcome:
+async def _intake(conn: asyncpg.Connection, items: Sequence[Owned], claims: Claims) -> _Outcome:
     """The intake statement, and once more for the actions it refused, if any: a statement
     reads the claims committed before it began, so a first action of the same client in the
     same trajectory, committed by another batch (another gateway) while it waited on that
     claim, is refused by it and found by the next. One round trip unless some are refused."""
-    first = await _statement(conn, items)
+    first = await _statement(conn, items, claims)
     if not first.refused:
         return first
     places = sorted(first.refused)
-    again = await _statement(conn, [items[p] for p in places])
+    again = await _statement(conn, [items[p] for p in places], claims)
     inserted = first.inserted | again.inserted
     return _Outcome(inserted, {places[p] for p in again.refused})
 
@@ -155,10 +210,13 @@ def _first_copies(items: Sequence[Owned], done: _Outcome) -> list[bool]:
     return new
 
 
-async def insert_actions(conn: asyncpg.Connection, items: Sequence[Owned]) -> list[Intake]:
+async def insert_actions(
+    conn: asyncpg.Connection, items: Sequence[Owned], claims: Claims | None = None
+) -> list[Intake]:
     """Make a batch durable in one statement; duplicates (by action_id) are not re-inserted,
-    actions in another client's trajectory are refused."""
-    done = await _intake(conn, items)
+    actions in another client's trajectory are refused. ``claims``: the caller's (a gateway
+    keeps one for its life), else none known."""
+    done = await _intake(conn, items, Claims() if claims is None else claims)
     new = _first_copies(items, done)
     dup_ids = [
         i.action.spec.action_id

@@ -233,6 +233,39 @@ async def test_a_refused_copy_of_an_action_id_does_not_hide_the_accepted_one(
     assert stored.owner == "alice"
 
 
+async def test_a_claim_seen_once_is_not_checked_again(pool: asyncpg.Pool, uid: str) -> None:
+    """A gateway's next batch in a trajectory it saw claimed by the same owner skips the claim
+    statement; another owner's action there is still refused, and duplicates still found."""
+    claims = store.Claims()
+    async with pool.acquire() as conn:
+        (first,) = await store.insert_actions(conn, [owned(uid, "c1", "c", "alice")], claims)
+        assert claims.hits == 0
+        second, again = await store.insert_actions(
+            conn, [owned(uid, "c2", "c", "alice"), owned(uid, "c1", "c", "alice")], claims
+        )
+        assert claims.hits == 1
+        (bob,) = await store.insert_actions(conn, [owned(uid, "c3", "c", "bob")], claims)
+    assert first.new
+    assert second.new
+    assert second.owner == "alice"
+    assert again.duplicate
+    assert again.owner == "alice"
+    assert bob.foreign
+    stored = await store.fetch_result(pool, f"{uid}-c2")
+    assert stored is not None
+    assert stored.owner == "alice"
+
+
+def test_claims_are_bounded_newest_kept() -> None:
+    claims = store.Claims(limit=2)
+    items = [owned("u", str(i), str(i), "alice") for i in range(3)]
+    claims.learn(items, {i.action.spec.action_id: "alice" for i in items})
+    assert not claims.covers(items[:1])  # the oldest forgotten: checked in Postgres again
+    assert claims.covers(items[1:])
+    claims.learn(items[1:2], {items[1].action.spec.action_id: "bob"})  # not its owner's row
+    assert claims.covers(items[1:])
+
+
 async def test_a_client_ends_its_own_leases_alone(pool: asyncpg.Pool, uid: str) -> None:
     """A lease's id is its action's: another client's release is answered as for an unknown
     lease (nothing forwarded to the limiter), the owner's and the operator's go through."""
