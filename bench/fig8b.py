@@ -25,7 +25,9 @@ same calls shifted in time, moves the ACT by tens of percent).
 
 ``sensitivity``: batch 1024 under each parameter the paper does not give, changed one at a time
 (the rollout recalibrated each time). Restore costs come from ``bench/results/gpu.json``'s
-measured restore bandwidth (else 11.86 GB/s). Independent runs go to two worker processes.
+measured restore bandwidth (else 11.86 GB/s), per host link, one link per GPU: a DoP-k restore
+loads k slices at once, priced by the scheduler core's ``gpu.restore_cost`` (the gpu_manager's
+sliced restore). Independent runs go to two worker processes.
 """
 
 from __future__ import annotations
@@ -142,6 +144,11 @@ def variants(base: Config) -> dict[str, tuple[str, Config]]:
         "restore_x4": (
             "restore 4x our measured bandwidth (Hopper-class PCIe 5 host-to-device)",
             replace(base, restore_gb_per_s=4 * base.restore_gb_per_s),
+        ),
+        "two_gpus_per_link": (
+            "two GPUs of a node per host link (a PCIe switch per pair): sliced restores half as"
+            " parallel",
+            replace(base, gpus_per_link=2),
         ),
         "seed_1": ("another draw of the workload", replace(base, seed=1)),
         "seed_2": ("another draw of the workload", replace(base, seed=2)),

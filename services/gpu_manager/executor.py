@@ -28,6 +28,7 @@ import torch
 from nats.aio.msg import Msg
 
 from services.gpu_manager import catalog, devices
+from services.gpu_manager.bandwidth import measure_bandwidth, measure_gather, sync
 from services.gpu_manager.batching import Batch, BatchFormer, Call, Output, fault_of, run_batch
 from services.gpu_manager.catalog import Catalog, Prepared, Ran, variant
 from services.gpu_manager.config import GpuManagerConfig
@@ -57,7 +58,6 @@ from tangram.errors import InvalidRequest, TangramError
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
-BANDWIDTH_BYTES = 64 << 20  # a plain copy this large measures the node's restore bandwidth
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +107,15 @@ class GpuExecutor:
         if stored:
             log.info("node %s: %d tensors in the state store", self.cfg.node_id, stored)
         gbps = await asyncio.to_thread(measure_bandwidth, self.devices)
+        gather = await asyncio.to_thread(measure_gather, self.devices)
         self.residency = Residency(tuple(d.budget_bytes for d in self.devices.devices))
         n = max(1, len(self.devices.devices))
         self._runner = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="gpu-run")
-        log.warning("node %s: %s, restore %.1f GB/s", self.cfg.node_id, self.describe(), gbps)
-        return self.devices.offer(gbps)
+        log.warning(
+            "node %s: %s, restore %.1f GB/s per link, %d link(s)",
+            *(self.cfg.node_id, self.describe(), gbps, self.devices.links),
+        )
+        return self.devices.offer(gbps, gather)
 
     def describe(self) -> str:
         return self.devices.describe()
@@ -381,13 +385,15 @@ class GpuExecutor:
         """In a worker thread: the service onto the grant's chunk, promoted from disk to host
         memory first if needed (and pinned there while it copies); where it was found."""
         assert entry.copy is not None, "only a prepared service is restored"
-        device = self.devices.devices[grant.placement.chunk.start].torch_device
+        # one slice per device of the chunk, each through that device's own link; the model
+        # runs on the first
+        paths = [self.devices.devices[p].torch_device for p in grant.placement.chunk.positions()]
         if not entry.state_id:  # a copy of its own (not in the tiers)
-            return entry.copy.restore(device), "host"
+            return entry.copy.restore(paths[0], paths=paths), "host"
         held = self.state.acquire(entry.state_id)
         try:
-            resident = entry.copy.restore(device)
-            _sync(resident.device)
+            resident = entry.copy.restore(paths[0], paths=paths)
+            sync(resident.device)
         finally:
             self.state.release(held)
         return resident, "host" if held.was_host else "disk"
@@ -483,28 +489,6 @@ def _restore_failed(batch: Batch, exc: Exception) -> list[Output]:
         Output(c.call_id, error=why, fault=fault if fault != "handler" else "device")
         for c in batch.calls
     ]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":  # pragma: no cover - needs a GPU
-        torch.cuda.synchronize(device)
-
-
-def measure_bandwidth(inv: devices.Inventory) -> float:
-    """Host -> device copy bandwidth (GB/s) of a plain preallocated copy, best of three."""
-    if not inv.devices:
-        return 0.0
-    device = torch.device(inv.devices[0].torch_device)
-    cuda = device.type == "cuda"
-    src = torch.ones(BANDWIDTH_BYTES, dtype=torch.uint8, pin_memory=cuda)
-    dst = torch.zeros(BANDWIDTH_BYTES, dtype=torch.uint8, device=device)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=cuda)
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return round(BANDWIDTH_BYTES / best / 1e9, 2)
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

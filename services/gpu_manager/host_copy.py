@@ -5,27 +5,29 @@ CUDA is present) holding one contiguous, aligned region per dtype. The layout re
 each tensor lives and which module attributes point at it (tied weights share one entry). The
 model itself is kept as a skeleton on the ``meta`` device, so the host slab is the only copy.
 
-A restore is one slab copy into a device arena (chunked; on a side stream on CUDA, a thread on
-the CPU, so rebuilding the model overlaps it): a copy of the skeleton whose tensors are views
-of that arena. The
-host slab is never written after capture: a handle that mutates its model (running stats,
-in-place ops) changes only the arena, so eviction just drops the arena — no write-back.
+A restore copies the slab into a device arena (chunked; on side streams on CUDA, threads on
+the CPU, so rebuilding the model overlaps it) and binds a copy of the skeleton to views of
+that arena. Onto a chunk of ``k`` devices it copies ``k`` slices at once, slice ``i`` through
+device ``i``'s own link (``slices.py``). The host slab is never written after capture: a
+handle that mutates its model (running stats, in-place ops) changes only the arena, so eviction
+just drops the arena — no write-back.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-ALIGN = 256  # bytes: CUDA's allocation granularity and a multiple of every dtype's size
-CHUNK_BYTES = 64 << 20  # big enough to run at full bandwidth, small enough to overlap setup
-OVERLAP_BYTES = 16 << 20  # below this a thread costs more than the rebuild it would hide
+from services.gpu_manager import slices
+from services.gpu_manager.slices import ALIGN as ALIGN
+from services.gpu_manager.slices import CHUNK_BYTES as CHUNK_BYTES
+from services.gpu_manager.slices import OVERLAP_BYTES as OVERLAP_BYTES
+from services.gpu_manager.slices import copy_chunked as copy_chunked
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,14 +148,6 @@ def _as_state(layout: Layout, views: list[torch.Tensor]) -> list[torch.Tensor]:
     ]
 
 
-def copy_chunked(src: torch.Tensor, dst: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> None:
-    """Copy a byte slab in chunks (asynchronous on CUDA when ``src`` is pinned)."""
-    non_blocking = dst.is_cuda and src.is_pinned()
-    for start in range(0, src.numel(), chunk_bytes):
-        n = min(chunk_bytes, src.numel() - start)
-        dst.narrow(0, start, n).copy_(src.narrow(0, start, n), non_blocking=non_blocking)
-
-
 class HostCopy:
     """A service's state packed once into a host slab; restores it onto any device."""
 
@@ -174,11 +168,20 @@ class HostCopy:
         """Device bytes the state needs (the slab, alignment included)."""
         return self.layout.nbytes
 
-    def restore(self, device: torch.device | str, arena: torch.Tensor | None = None) -> Resident:
-        """A fresh model on ``device`` whose state is a copy of the host slab."""
+    def restore(
+        self,
+        device: torch.device | str,
+        arena: torch.Tensor | None = None,
+        paths: Sequence[str] = (),
+    ) -> Resident:
+        """A fresh model on ``device`` whose state is a copy of the host slab, copied as one
+        slice per device of ``paths`` (the chunk's devices, ``device`` first), each through
+        that device's link; through ``device`` alone when ``paths`` is empty."""
         device = torch.device(device)
         slab = self._arena(device, arena)
-        wait = _start_copy(self.host, slab)
+        k = max(1, len(paths))
+        parts = slices.plan([self.host], [(0, self.nbytes)], k, self.nbytes)
+        wait = slices.start(parts, slab, paths or [str(device)])
         model = self._spares.pop() if self._spares else copy.deepcopy(self.skeleton)
         _bind(model, self.layout, _as_state(self.layout, _views(slab, self.layout)))
         wait()
@@ -203,50 +206,6 @@ def _rebound_meta(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
     metas = [torch.empty(e.shape, dtype=e.dtype, device="meta") for e in layout.entries]
     _bind(model, layout, _as_state(layout, metas))
     return model
-
-
-def _start_copy(src: torch.Tensor, dst: torch.Tensor) -> Callable[[], None]:
-    """Start copying ``src`` into ``dst``; returns the wait that finishes it.
-
-    On CUDA the copy runs on a side stream; on the CPU a large copy runs on a thread (torch
-    releases the GIL while copying), so the model rebuild overlaps it either way.
-    """
-    if dst.is_cuda:  # pragma: no cover - needs a GPU
-        return _start_stream_copy(src, dst)
-    if src.numel() < OVERLAP_BYTES:
-        copy_chunked(src, dst)
-        return lambda: None
-    failure: list[BaseException] = []
-    thread = threading.Thread(target=_copy_into, args=(src, dst, failure), name="restore-copy")
-    thread.start()
-
-    def wait() -> None:
-        thread.join()
-        if failure:
-            raise failure[0]
-
-    return wait
-
-
-def _copy_into(src: torch.Tensor, dst: torch.Tensor, failure: list[BaseException]) -> None:
-    try:
-        copy_chunked(src, dst)
-    except BaseException as exc:  # handed to the waiting thread, which re-raises it
-        failure.append(exc)
-
-
-def _start_stream_copy(
-    src: torch.Tensor, dst: torch.Tensor
-) -> Callable[[], None]:  # pragma: no cover - needs a GPU
-    stream = torch.cuda.Stream(dst.device)  # type: ignore[no-untyped-call]
-    with torch.cuda.stream(stream):
-        copy_chunked(src, dst)
-
-    def wait() -> None:
-        torch.cuda.current_stream(dst.device).wait_stream(stream)
-        stream.synchronize()
-
-    return wait
 
 
 def held_bytes(resident: Resident) -> int:

@@ -134,5 +134,22 @@ def test_the_policy_sees_a_restoring_chunk_busy_until_its_restore_and_call_end()
     (start,) = [e for e in pooled.core.schedule(0.0) if isinstance(e, StartOnNode)]
     dop = len(start.gpus)
     (view,) = pooled.core.gpu._running_views(pooled.core.nodes[start.node_id])
-    restore = t.footprint_mb(dop) / 1024 / cfg.restore_gb_per_s
+    restore = t.footprint_mb(dop) / 1024 / cfg.restore_gb_per_s / dop  # a slice per GPU's link
     assert view.expected_end == pytest.approx(restore + t.duration(dop, cfg.parallel))
+
+
+@pytest.mark.parametrize(("per_link", "links"), [(1, 8), (2, 4), (8, 1)])
+def test_a_simulated_restore_is_the_cores_price_for_the_chunks_links(
+    per_link: int, links: int
+) -> None:
+    """The simulated nodes report a host link per ``gpus_per_link`` GPUs; a restore onto 8 GPUs
+    loads 8 slices over min(8, links) links, priced by the core's one function."""
+    cfg = m.Config(batch=1, gpus=8, restore_gb_per_s=10.0, gpus_per_link=per_link)
+    pooled = m.Pooled(cfg, "elastic")
+    t = m.TEACHERS[6]
+    assert pooled.restore_s(t, tuple(range(8))) == pytest.approx(
+        t.footprint_mb(8) / 1024 / (links * cfg.restore_gb_per_s)
+    )
+    facts = pooled.core.nodes["g0"].gpu
+    assert facts is not None
+    assert len(set(facts.links)) == links

@@ -118,7 +118,9 @@ def test_restart_all_with_rollback_redoes_the_iterations_completed_work() -> Non
 
 
 def test_a_failed_gpu_nodes_calls_are_retried_and_its_teachers_restored_elsewhere() -> None:
-    cfg = Config(batch=60, gpus=16, rollout_s=5.0)
+    # one host link per node: every restore costs the whole model, so restore seconds count
+    # restores (with a link per GPU a DoP-8 restore is 8x cheaper: the DoP mix moves the sum)
+    cfg = Config(batch=60, gpus=16, rollout_s=5.0, gpus_per_link=8)
     iterations = mopd(cfg, 1)
 
     def pools() -> Pools:

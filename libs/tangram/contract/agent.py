@@ -28,6 +28,10 @@ class GpuDevice(_Msg):
     index: int
     memory_mb: int
     name: str = ""
+    # the host -> device link this device restores through: devices with one id share it
+    # (CPU stand-ins: all one memory system); -1, not reported: the chunk restores through
+    # one link (an older agent copies a variant through its first device)
+    link: int = -1
 
 
 class Inventory(_Msg):
@@ -40,7 +44,10 @@ class Inventory(_Msg):
     isolates: bool = False
     kind: str = "cpu"
     gpus: tuple[GpuDevice, ...] = ()
-    restore_gb_per_s: float = 0.0  # host -> device copy bandwidth the agent measured
+    restore_gb_per_s: float = 0.0  # host -> device copy bandwidth the agent measured, per link
+    # device -> device bandwidth of the gather that follows a restore of slices through several
+    # devices' links onto the device the model runs on (0: none: the slices land there directly)
+    gather_gb_per_s: float = 0.0
 
 
 class PreparedService(_Msg):

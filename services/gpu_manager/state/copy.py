@@ -10,11 +10,12 @@ The caller makes sure the keys are in host memory and pinned for the copy (``man
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from services.gpu_manager import slices
 from services.gpu_manager.host_copy import (
     Layout,
     Resident,
@@ -66,18 +67,26 @@ class StoredCopy:
         """Bytes per distinct key."""
         return {k: e.nbytes for k, e in zip(self.keys, self.layout.entries, strict=True)}
 
-    def restore(self, device: torch.device | str, arena: torch.Tensor | None = None) -> Resident:
-        """A fresh model on ``device`` whose state is a copy of the host bytes (KeyError when
-        a key is not in host memory: promote first)."""
+    def restore(
+        self,
+        device: torch.device | str,
+        arena: torch.Tensor | None = None,
+        paths: Sequence[str] = (),
+    ) -> Resident:
+        """A fresh model on ``device`` whose state is a copy of the host bytes, copied as one
+        slice per device of ``paths`` through that device's link (``slices.py``; ``device``
+        alone when empty). KeyError when a key is not in host memory: promote first."""
         device = torch.device(device)
         if arena is None:
             arena = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
         slab = arena.narrow(0, 0, self.nbytes)
-        non_blocking = slab.is_cuda
-        for key, e in zip(self.keys, self.layout.entries, strict=True):
-            slab.narrow(0, e.offset, e.nbytes).copy_(self._host[key], non_blocking=non_blocking)
+        sources = [self._host[key] for key in self.keys]
+        spans = [(e.offset, e.offset + e.nbytes) for e in self.layout.entries]
+        parts = slices.plan(sources, spans, max(1, len(paths)), self.nbytes)
+        wait = slices.start(parts, slab, paths or [str(device)])
         model = self._spares.pop() if self._spares else copy.deepcopy(self.skeleton)
         _bind(model, self.layout, _as_state(self.layout, _views(slab, self.layout)))
+        wait()
         return Resident(model, slab, device)
 
     def evict(self, resident: Resident) -> torch.Tensor:

@@ -41,6 +41,8 @@ class GpuFacts:
 
     gpus: tuple[int, ...]
     restore_gb_per_s: float
+    links: tuple[int, ...] = ()  # per position: the host link it restores through (gpu.py)
+    gather_gb_per_s: float = 0.0
     down: set[int] = field(default_factory=set)
     absent: set[int] = field(default_factory=set)
     services: dict[tuple[str, int], PreparedService] = field(default_factory=dict)

@@ -15,6 +15,8 @@ share it, up to the service's ``max_batch``, and the agent coalesces them into f
 
 from __future__ import annotations
 
+import functools
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -22,7 +24,7 @@ from services.scheduler.core.books import GpuFacts, Node
 from tangram.chunks import MAX_CHUNK as MAX_CHUNK
 from tangram.chunks import Chunk as Chunk
 from tangram.chunks import chunk_counts as chunk_counts
-from tangram.chunks import chunk_level
+from tangram.chunks import chunk_level, root_chunks
 from tangram.chunks import free_chunks as free_chunks
 
 # When an agent did not measure its host->device bandwidth: a PCIe 4.0 x16 link's practical rate.
@@ -102,12 +104,58 @@ def resident_positions(facts: GpuFacts, service: str, dop: int) -> frozenset[int
     return frozenset(where[g] for g in entry.resident if g in where)
 
 
-def restore_s(facts: GpuFacts, service: str, dop: int) -> float:
-    """Seconds to bring the ``dop`` variant of ``service`` onto a chunk of this node."""
+def restore_cost(
+    mb: float, links: Sequence[int], gb_per_s: float, gather_gb_per_s: float = 0.0
+) -> float:
+    """Seconds to restore ``mb`` MiB onto a chunk whose devices copy through ``links`` (one id
+    per device, in chunk order; equal ids share one host link, -1 counts as one shared link).
+
+    The gpu_manager restores a chunk of ``k`` devices as ``k`` equal slices, slice ``i``
+    through device ``i``'s link, all at once: the busiest link carries ``busiest`` slices, so
+    the load takes ``mb * busiest / k`` over one link's ``gb_per_s`` -- ``mb / (min(k, links)
+    * gb_per_s)`` when the links are shared evenly (CPU stand-ins: one link, the whole model
+    through it; NVML devices: one each, ``k`` times less per link). Where the agent reports a
+    gather (``gather_gb_per_s`` > 0: CUDA, the model runs on the chunk's first device), the
+    ``(k - 1) / k`` of the bytes loaded through the other devices then cross to it device to
+    device; counted after the load, not overlapped with it (an upper bound: the agent starts
+    each slice's gather when that slice is loaded)."""
+    k = max(1, len(links))
+    rate = gb_per_s if gb_per_s > 0 else DEFAULT_RESTORE_GB_PER_S
+    busiest = max(Counter(links).values()) if links else 1
+    load = mb / 1024.0 * busiest / k / rate
+    gather = mb / 1024.0 * (k - 1) / k / gather_gb_per_s if gather_gb_per_s > 0 else 0.0
+    return load + gather
+
+
+def chunk_links(facts: GpuFacts, chunk: Chunk) -> tuple[int, ...]:
+    """The host link of each device of ``chunk`` (-1 where the node reported none)."""
+    return _links_of(facts.links, chunk)
+
+
+def restore_s(facts: GpuFacts, service: str, dop: int, chunk: Chunk | None = None) -> float:
+    """Seconds to bring the ``dop`` variant of ``service`` onto ``chunk`` of this node (when
+    not given: onto its slowest chunk of that size, by how its devices share links)."""
     entry = facts.services.get((service, dop))
     footprint = entry.footprint_mb if entry is not None else 0
-    rate = facts.restore_gb_per_s if facts.restore_gb_per_s > 0 else DEFAULT_RESTORE_GB_PER_S
-    return footprint / 1024.0 / rate
+    if chunk is not None:
+        links = chunk_links(facts, chunk)
+    else:
+        links = _slowest_links(facts.links, len(facts.gpus), 1 << chunk_level(dop))
+    return restore_cost(footprint, links, facts.restore_gb_per_s, facts.gather_gb_per_s)
+
+
+def _links_of(links: tuple[int, ...], chunk: Chunk) -> tuple[int, ...]:
+    return tuple(links[p] if p < len(links) else -1 for p in chunk.positions())
+
+
+@functools.lru_cache(maxsize=1024)
+def _slowest_links(links: tuple[int, ...], n: int, size: int) -> tuple[int, ...]:
+    """The links of the chunk of ``size`` on a node of ``n`` GPUs whose busiest link carries
+    the most of its slices (a node smaller than the chunk: one link, never granted anyway)."""
+    chunks = _aligned(root_chunks(n), size)
+    if not chunks:
+        return (-1,) * size
+    return max((_links_of(links, c) for c in chunks), key=lambda ls: max(Counter(ls).values()))
 
 
 def grant_cost(facts: GpuFacts, chunks: Sequence[Chunk], service: str, dop: int) -> float:
@@ -117,7 +165,7 @@ def grant_cost(facts: GpuFacts, chunks: Sequence[Chunk], service: str, dop: int)
     chunk = pick(chunks, dop, resident)
     if chunk is not None and resident.issuperset(chunk.positions()):
         return 0.0
-    return restore_s(facts, service, dop)
+    return restore_s(facts, service, dop, chunk)
 
 
 def ready_dops(facts: GpuFacts, service: str, dops: Iterable[int]) -> tuple[int, ...]:

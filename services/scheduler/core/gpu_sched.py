@@ -77,6 +77,7 @@ from services.scheduler.policies.durations import (
     DurationLearner,
     resolve,
 )
+from tangram.chunks import chunk_of
 from tangram.contract import (
     Completion,
     ErrorKind,
@@ -100,8 +101,13 @@ def profile_of(act: UnifiedAction) -> str:
 
 
 def new_facts(inv: Inventory) -> GpuFacts:
-    gpus = tuple(sorted(g.index for g in inv.gpus))
-    return GpuFacts(gpus=gpus, restore_gb_per_s=inv.restore_gb_per_s)
+    devices = sorted(inv.gpus, key=lambda g: g.index)
+    return GpuFacts(
+        gpus=tuple(g.index for g in devices),
+        restore_gb_per_s=inv.restore_gb_per_s,
+        links=tuple(g.link for g in devices),
+        gather_gb_per_s=inv.gather_gb_per_s,
+    )
 
 
 class GpuScheduler:
@@ -583,8 +589,11 @@ class GpuScheduler:
             return end
         where = {g: p for p, g in enumerate(facts.gpus)}
         name = service_of(act)
-        warm = gpu.resident_positions(facts, name, len(gpus)).issuperset(where[g] for g in gpus)
-        return now + (0.0 if warm else gpu.restore_s(facts, name, len(gpus))) + exec_s
+        positions = [where[g] for g in gpus]
+        if gpu.resident_positions(facts, name, len(gpus)).issuperset(positions):
+            return now + exec_s
+        chunk = chunk_of(positions, len(facts.gpus))
+        return now + gpu.restore_s(facts, name, len(gpus), chunk) + exec_s
 
     # ------------------------------------------------------------------ failures
 

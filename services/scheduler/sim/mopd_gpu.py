@@ -23,8 +23,12 @@ Modelling notes:
 - The simulated agents list the calls they run in every report, as the gpu_manager does, and
   report at the simulated time. A pass is skipped when every GPU is busy: with one call per
   chunk it could start nothing (same decisions; the run takes a fraction as long).
-- Restores are charged for the whole model at the measured bandwidth, not per GPU shard in
-  parallel: the conservative reading, and the one the scheduler core prices grants with.
+- Restores are priced by the scheduler core's one function (``gpu.restore_cost``): the
+  gpu_manager restores a DoP-k variant as k slices, one through each GPU's own host link, so
+  a simulated node reports one link per GPU (``Config.gpus_per_link``) and a restore onto k
+  GPUs takes footprint / (k x the measured bandwidth per link). No gather is charged by
+  default (``Config.gather_gb_per_s`` 0): the paper's variants are tensor parallel (§6.1),
+  each GPU keeping the shard it loaded, as the simulated memory does (footprint / k per GPU).
 
 The metric is the paper's §6.3 one: total ACT per trajectory, averaged over trajectories.
 """
@@ -36,6 +40,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
+from services.scheduler.core import gpu
 from services.scheduler.core.effects import StartOnNode
 from services.scheduler.core.scheduler import CoreConfig, SchedulerCore
 from services.scheduler.policies.spec import make_policy
@@ -165,8 +170,11 @@ class Pooled:
         )
         inv = Inventory(
             kind="gpu",
-            gpus=tuple(GpuDevice(index=i, memory_mb=GPU_MEMORY_MB) for i in range(per)),
+            gpus=tuple(
+                GpuDevice(index=i, memory_mb=GPU_MEMORY_MB, link=self._link(i)) for i in range(per)
+            ),
             restore_gb_per_s=self.cfg.restore_gb_per_s,
+            gather_gb_per_s=self.cfg.gather_gb_per_s,
         )
         running = tuple(
             RunningAction(aid, e.action.attempt, "", e.gpus) for aid, e in node.running.items()
@@ -179,6 +187,15 @@ class Pooled:
             full=True,
             services=services,
         )
+
+    def _link(self, gpu_index: int) -> int:
+        return gpu_index // self.cfg.gpus_per_link
+
+    def restore_s(self, t: Teacher, gpus: tuple[int, ...]) -> float:
+        """A restore of ``t`` onto ``gpus``, priced as the core prices it (one function)."""
+        links = tuple(self._link(g) for g in gpus)
+        mb = t.footprint_mb(len(gpus))
+        return gpu.restore_cost(mb, links, self.cfg.restore_gb_per_s, self.cfg.gather_gb_per_s)
 
     def run(self, calls: list[Call], before: list[Call] | None = None) -> Outcomes:
         """``calls`` on the pool; ``before`` (the previous step, ``Config.warmup``) first, to
@@ -231,7 +248,7 @@ class Pooled:
         dop = len(e.gpus)
         copy = any(n.where((t.name, d)) for n in self.nodes.values() for d in t.dops)
         cold = node.restore((t.name, dop), e.gpus, t.footprint_mb(dop))
-        restore = t.footprint_mb(dop) / 1024 / self.cfg.restore_gb_per_s if cold else 0.0
+        restore = self.restore_s(t, e.gpus) if cold else 0.0
         if cold:
             self.beside_copy += copy
             self.core.node_report(self._report(node), now)  # residency changed

@@ -31,8 +31,11 @@ Paper (ARL-Tangram §6.1, §6.3, Table 1) -> here:
   trajectories finish uniformly within a window of ``task_window`` of the rollout, placed
   uniformly at random: a third (ours: about three of ten teachers busy at once; sensitivity a
   tenth and the whole rollout).
-- Restore bandwidth: not given -> this machine's measured restore (``bench/results/gpu.json``),
-  charged for the whole model, as the scheduler core prices grants.
+- Restore bandwidth: not given -> this machine's measured restore (``bench/results/gpu.json``)
+  per host link, one link per GPU (``gpus_per_link``; the 8 GPUs of a node each have their own
+  PCIe link), a DoP-k variant restored as k slices in parallel (the gpu_manager's restore,
+  priced by the scheduler core's ``gpu.restore_cost``); no gather (``gather_gb_per_s`` 0: the
+  tensor-parallel variants of §6.1 keep each shard on the GPU that loaded it).
 - Steps: the paper measures ACT while RL training proceeds (§6.2, Figure 6: "as RL training
   proceeds"; §6.3 averages over trajectories), and a restored service "remains cached in GPU
   memory until it is evicted at a later time" (§5.3), as the SGLang baseline's servers stay
@@ -114,7 +117,9 @@ class Config:
     rollout_s: float = CALIBRATED_ROLLOUT_S
     task_window: float = 1 / 3  # of the rollout, in which one task's trajectories finish
     gpus: int = 40
-    restore_gb_per_s: float = 11.86
+    restore_gb_per_s: float = 11.86  # per host link
+    gpus_per_link: int = 1  # GPUs of a node sharing one host link (1: each its own)
+    gather_gb_per_s: float = 0.0  # device-to-device gather after a sliced restore (0: none)
     seed: int = 0
     warmup: bool = True  # serve the previous step first (module docstring: Steps)
     maas: ServerlessConfig = field(default_factory=ServerlessConfig)
