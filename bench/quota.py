@@ -100,10 +100,14 @@ class ServerProcess:
         self._proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "tests.ratelimited_server", *args, stdout=asyncio.subprocess.PIPE
         )
-        assert self._proc.stdout is not None
-        line = await asyncio.wait_for(self._proc.stdout.readline(), 30)
-        if not line.startswith(b"http://"):
-            raise RuntimeError(f"the rate-limited server did not start: {line!r}")
+        try:  # a start that fails or is cancelled leaves no server behind
+            assert self._proc.stdout is not None
+            line = await asyncio.wait_for(self._proc.stdout.readline(), 30)
+            if not line.startswith(b"http://"):
+                raise RuntimeError(f"the rate-limited server did not start: {line!r}")
+        except BaseException:
+            await self.__aexit__()
+            raise
         self.url = line.decode().strip()
         return self
 

@@ -30,6 +30,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.aio.transport import TcpTransport
 
 from tangram import auth, telemetry
 from tangram.contract import MAX_MESSAGE_BYTES, ErrorReply, codec, encode
@@ -407,9 +408,15 @@ class _Nats(NATS):
     (a scheduling pass, a group commit's SQL) runs first, so a message waited for other work
     of its sender before it left: ~0.5 ms a hop here, most of a result push's time. Written
     through, the flusher later finds nothing to send. Requests publish through this too.
-    While disconnected nothing is written here: nats-py buffers and replays as before. Relies
+    While disconnected nothing is written here: nats-py buffers and replays as before. Nor
+    while the socket is backed up (its buffer at its high-water mark, where nats-py's flusher
+    waits for it to drain) or closing: what is pending stays in nats-py's buffer, bounded
+    (``pending_size``: a publisher past it waits) and replayed when a stalled connection is
+    replaced, rather than piling up without bound in the socket's buffer and lost with it.
+    Nor on a websocket, which sends only when drained (the flusher then never would). Relies
     on three attributes of nats-py's client (``_pending``, ``_pending_data_size``,
-    ``_transport``); where they are missing it sends as nats-py does (``write_through``)."""
+    ``_transport``), and its TCP transport's ``_io_writer``; where they are missing it sends
+    as nats-py does (``write_through``, ``_writable``)."""
 
     write_through = all(
         hasattr(NATS(), a) for a in ("_pending", "_pending_data_size", "_transport")
@@ -417,12 +424,36 @@ class _Nats(NATS):
 
     async def publish(self, *args: Any, **kwargs: Any) -> None:
         await super().publish(*args, **kwargs)
+        self._send_pending(backed_up_too=False)
+
+    async def flush(self, *args: Any, **kwargs: Any) -> None:
+        """nats-py writes its PING straight to the socket, ahead of what waits in its buffer
+        (a SUB just made: ``Bus.start``'s flush would return before the broker knew it):
+        what waits is written first, so the PONG vouches for it."""
+        self._send_pending(backed_up_too=True)
+        await super().flush(*args, **kwargs)
+
+    def _send_pending(self, *, backed_up_too: bool) -> None:
         if self.write_through and self._pending_data_size and self.is_connected:
-            transport = self._transport
-            if transport is not None:
-                transport.writelines(self._pending)
+            writer = _writable(self._transport, backed_up_too)
+            if writer is not None:  # bytes are written in order: the flusher's, then these
+                writer.writelines(self._pending)
                 self._pending = []
                 self._pending_data_size = 0
+
+
+def _writable(transport: object, backed_up_too: bool) -> asyncio.StreamWriter | None:
+    """The TCP socket's writer if a write would go out now (open, and its buffer below its
+    high-water mark unless ``backed_up_too``: a drain would not wait), else None."""
+    writer = getattr(transport, "_io_writer", None)  # a websocket: nothing leaves until drained
+    if not isinstance(transport, TcpTransport) or not isinstance(writer, asyncio.StreamWriter):
+        return None
+    socket = writer.transport
+    try:
+        backed_up = socket.get_write_buffer_size() >= socket.get_write_buffer_limits()[1]
+    except (AttributeError, NotImplementedError):  # a transport that cannot say
+        return None
+    return None if (backed_up and not backed_up_too) or socket.is_closing() else writer
 
 
 class Bus(BaseBus):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
 import asyncpg
@@ -131,11 +131,16 @@ class Claims:
             for i in items
         )
 
-    def learn(self, items: Sequence[Owned], inserted: dict[str, str]) -> None:
-        """An owned action inserted in a trajectory proves its owner holds that trajectory."""
-        for i in items:
+    def learn(
+        self, items: Sequence[Owned], inserted: dict[str, str], refused: Set[int] = frozenset()
+    ) -> None:
+        """An owned action allowed and inserted in a trajectory proves its owner holds that
+        trajectory. Not a refused one (``refused``: places in ``items``), even when a copy of
+        its action id, the same owner's, was inserted in another trajectory."""
+        for place, i in enumerate(items):
             tid = i.action.spec.trajectory_id
-            if i.owner and tid and inserted.get(i.action.spec.action_id) == i.owner:
+            mine = inserted.get(i.action.spec.action_id) == i.owner
+            if i.owner and tid and mine and place not in refused:
                 self._owners.pop(tid, None)  # to the newest end
                 self._owners[tid] = i.owner
         while len(self._owners) > self.limit:
@@ -178,8 +183,9 @@ async def _statement(conn: asyncpg.Connection, items: Sequence[Owned], claims: C
     else:
         rows = await conn.fetch(_INSERT, *columns)
     inserted = {r["action_id"]: r["owner"] for r in rows if r["allowed"]}
-    claims.learn(items, inserted)
-    return _Outcome(inserted, {r["n"] - 1 for r in rows if not r["allowed"]})
+    refused = {r["n"] - 1 for r in rows if not r["allowed"]}
+    claims.learn(items, inserted, refused)
+    return _Outcome(inserted, refused)
 
 
 async def _intake(conn: asyncpg.Connection, items: Sequence[Owned], claims: Claims) -> _Outcome:

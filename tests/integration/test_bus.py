@@ -7,8 +7,11 @@ learns on the memory bus holds on NATS.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -16,7 +19,7 @@ from nats.aio.msg import Msg
 
 from tangram.bus import MAX_NESTING, BaseBus, Bus
 from tangram.contract import Ack, Done, ErrorReply, GetResult, NodeCommand, Reconcile, codec
-from tangram.embedded import EmbeddedNats
+from tangram.embedded import EmbeddedNats, free_port
 from tangram.errors import Busy, NotFound, RemoteError, Unavailable
 from tangram.membus import MemoryBroker, matches
 from tangram.subjects import Endpoint, GatewayAnswer
@@ -238,7 +241,8 @@ async def test_a_publish_leaves_before_its_sender_yields(nats_url: str) -> None:
         sub = await receiver.nc.subscribe("t.through", cb=_collect(got))
         await receiver.nc.flush()
         await sender.publish("t.through", Done())
-        assert sender.nc._pending_data_size == 0 and sender.nc._pending == []
+        assert sender.nc._pending_data_size == 0
+        assert sender.nc._pending == []
         await eventually(lambda: got == [Done()], what="the published message received")
         await sub.unsubscribe()
     finally:
@@ -249,5 +253,136 @@ async def test_a_publish_leaves_before_its_sender_yields(nats_url: str) -> None:
 def _collect(into: list[Done]) -> Callable[[Msg], Awaitable[None]]:
     async def cb(msg: Msg) -> None:
         into.append(codec.decode(msg.data, Done))
+
+    return cb
+
+
+async def test_a_stalled_broker_leaves_publishes_in_the_bounded_buffer(tmp_path: Path) -> None:
+    """A broker that stops reading (stopped here): what is published meanwhile waits in
+    nats-py's bounded buffer (replayed if the connection is replaced), not in the socket's
+    unbounded one; once the broker reads again every message arrives, in order."""
+    server = await asyncio.to_thread(EmbeddedNats(tmp_path / "nats").start)
+    assert server.proc is not None
+    buses = Buses()
+    got: list[int] = []
+    try:
+        sender, receiver = (
+            await buses.connect(server.url, "sender"),
+            await buses.connect(server.url, "r"),
+        )
+        await receiver.nc.subscribe("t.stall", cb=_numbers(got))
+        await receiver.nc.flush()
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        for n in range(STALLED_MESSAGES):  # 15 MB: more than the kernel's buffers take
+            await sender.nc.publish("t.stall", n.to_bytes(4, "big") + bytes(60_000))
+            await asyncio.sleep(0)  # a yield: nats-py's flusher writes between publishes
+        socket = sender.nc._transport._io_writer.transport  # type: ignore[union-attr]
+        assert socket.get_write_buffer_size() < 1_000_000
+        assert sender.nc._pending_data_size > 0
+        os.kill(server.proc.pid, signal.SIGCONT)
+        await eventually(lambda: len(got) == STALLED_MESSAGES, what="every message received")
+        assert got == list(range(STALLED_MESSAGES))
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        await buses.close()
+        await asyncio.to_thread(server.stop)
+
+
+STALLED_MESSAGES = 256
+
+
+async def test_publishes_while_the_broker_restarts_arrive_in_order(tmp_path: Path) -> None:
+    """Published before, during (buffered by nats-py) and after a broker restart: each
+    arrives once, in order, at a subscriber of the same connection (its subscription is sent
+    again before what was buffered)."""
+    first = await asyncio.to_thread(EmbeddedNats(tmp_path / "nats").start)
+    buses = Buses()
+    got: list[int] = []
+    again: EmbeddedNats | None = None
+    try:
+        bus = await buses.connect(first.url, "sender")
+        await bus.nc.subscribe("t.restart", cb=_numbers(got))
+        for n in range(3):
+            await bus.nc.publish("t.restart", n.to_bytes(4, "big"))
+        await eventually(lambda: got == [0, 1, 2], what="the first three received")
+        await asyncio.to_thread(first.stop)
+        await eventually(lambda: bus.nc.is_reconnecting, what="the loss noticed")
+        for n in range(3, 6):
+            await bus.nc.publish("t.restart", n.to_bytes(4, "big"))
+        again = await asyncio.to_thread(EmbeddedNats(tmp_path / "nats", first.port).start)
+        await eventually(lambda: bus.nc.is_connected, what="reconnected")
+        for n in range(6, 9):
+            await bus.nc.publish("t.restart", n.to_bytes(4, "big"))
+        await eventually(lambda: len(got) >= 9, what="all nine received")
+        assert got == list(range(9))
+    finally:
+        await buses.close()
+        await asyncio.to_thread(again.stop if again else first.stop)
+
+
+@pytest.mark.filterwarnings("ignore:parameter 'timeout':DeprecationWarning")  # nats-py's
+async def test_a_publish_over_a_websocket_leaves_at_once(tmp_path: Path) -> None:
+    """On a websocket nothing leaves until nats-py drains it: a publish is not written past
+    its flusher there (it would then wait for the next PING, the broker's first after ~2 s)."""
+    port = free_port()
+    conf = tmp_path / "ws.conf"
+    conf.write_text(f"websocket {{\n  host: 127.0.0.1\n  port: {port}\n  no_tls: true\n}}\n")
+    server = await asyncio.to_thread(EmbeddedNats(tmp_path / "nats", config=conf).start)
+    buses = Buses()
+    got: list[Done] = []
+    try:
+        receiver = await buses.connect(server.url, "receiver")
+        sender = await buses.connect(f"ws://127.0.0.1:{port}", "sender")
+        await receiver.nc.subscribe("t.ws", cb=_collect(got))
+        await receiver.nc.flush()
+        await sender.publish("t.ws", Done())
+        await eventually(lambda: got == [Done()], what="the message received", timeout_s=1.0)
+    finally:
+        await buses.close()
+        await asyncio.to_thread(server.stop)
+
+
+async def test_a_flush_is_answered_after_the_subscriptions_made_before_it(nats_url: str) -> None:
+    """``flush`` (``Bus.start``'s: then the broker knows every subscription) sends its PING
+    behind what was queued before it; nats-py wrote the PING at once, ahead of a SUB still
+    waiting for its flusher, so the PONG could come back before the broker had the SUB."""
+    bus = await Bus.connect(nats_url, "flusher")
+    try:
+        socket = bus.nc._transport._io_writer.transport  # type: ignore[union-attr]
+        wire: list[bytes] = []
+        write = socket.write
+
+        def tap(data: bytes) -> None:
+            wire.append(bytes(data))
+            write(data)
+
+        socket.write = tap
+        socket.writelines = lambda lines: tap(b"".join(lines))
+        await bus.nc.subscribe("t.flushed")
+        await bus.nc.flush()
+        sent = b"".join(wire)
+        assert sent.index(b"SUB t.flushed ") < sent.index(b"PING\r\n"), sent
+    finally:
+        await bus.close()
+
+
+class Buses:
+    """Buses connected by a test, each closed at its end (even if a later one failed)."""
+
+    def __init__(self) -> None:
+        self.opened: list[Bus] = []
+
+    async def connect(self, url: str, name: str) -> Bus:
+        self.opened.append(await Bus.connect(url, name))
+        return self.opened[-1]
+
+    async def close(self) -> None:
+        for bus in self.opened:
+            await bus.close()
+
+
+def _numbers(into: list[int]) -> Callable[[Msg], Awaitable[None]]:
+    async def cb(msg: Msg) -> None:
+        into.append(int.from_bytes(msg.data[:4], "big"))
 
     return cb

@@ -256,6 +256,22 @@ async def test_a_claim_seen_once_is_not_checked_again(pool: asyncpg.Pool, uid: s
     assert stored.owner == "alice"
 
 
+async def test_a_refused_copy_teaches_no_claim(pool: asyncpg.Pool, uid: str) -> None:
+    """One batch: alice's action in her trajectory, and a copy of its action id in bob's
+    (refused). The inserted copy proves nothing about bob's trajectory: alice's next action
+    there is still refused (the claim statement runs), not taken as hers from the cache."""
+    claims = store.Claims()
+    async with pool.acquire() as conn:
+        await store.insert_actions(conn, [owned(uid, "claim", "bobs", "bob")], claims)
+        mine, theirs = owned(uid, "y", "alices", "alice"), owned(uid, "y", "bobs", "alice")
+        accepted, refused = await store.insert_actions(conn, [mine, theirs], claims)
+        (later,) = await store.insert_actions(conn, [owned(uid, "z", "bobs", "alice")], claims)
+    assert await store.fetch_result(pool, f"{uid}-z") is None, "inserted in bob's trajectory"
+    assert later.foreign, later
+    assert accepted.new
+    assert refused.foreign, refused
+
+
 def test_claims_are_bounded_newest_kept() -> None:
     claims = store.Claims(limit=2)
     items = [owned("u", str(i), str(i), "alice") for i in range(3)]

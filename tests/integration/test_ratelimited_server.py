@@ -7,6 +7,7 @@ import sys
 import time
 
 import aiohttp
+import pytest
 
 from tests.ratelimited_server import RateLimitedServer, ServerConfig
 from tests.support import eventually
@@ -101,3 +102,24 @@ async def test_the_server_in_a_process_of_its_own() -> None:
     _, err = await bad.communicate()
     assert bad.returncode == 2
     assert b"--per-second" in err
+
+
+async def test_a_server_process_whose_start_is_cancelled_is_not_left_running() -> None:
+    """The bench's server process is ended when its start fails or is cancelled (before its
+    URL came), not left serving after the bench."""
+    from bench.quota import ServerProcess
+
+    server = ServerProcess(ServerConfig(per_second=2, concurrency=2))
+    starting = asyncio.ensure_future(server.__aenter__())
+    await eventually(lambda: server._proc is not None, what="spawned", interval_s=0.001)
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    proc = server._proc
+    assert proc is not None
+    try:
+        assert proc.returncode is not None, "left running"
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
