@@ -114,16 +114,26 @@ def start(slices: Sequence[Sequence[Piece]], arena: torch.Tensor, paths: Sequenc
         threading.Thread(target=_run, args=(s, arena, failure), name=f"restore-slice-{i}")
         for i, s in enumerate(busy)
     ]
-    for t in threads:
-        t.start()
+    started: list[threading.Thread] = []
+    try:
+        for t in threads:
+            t.start()
+            started.append(t)
+    except BaseException:  # a thread that could not start: none left copying into the arena
+        _join(started)
+        raise
 
     def wait() -> None:
-        for t in threads:
-            t.join()
+        _join(threads)
         if failure:
             raise failure[0]
 
     return wait
+
+
+def _join(threads: Sequence[threading.Thread]) -> None:
+    for t in threads:
+        t.join()
 
 
 def _run(pieces: Sequence[Piece], arena: torch.Tensor, failure: list[BaseException]) -> None:
@@ -140,21 +150,15 @@ def _start_cuda(
     that is not the arena's device) device -> device into the arena on the same stream."""
     streams: list[torch.cuda.Stream] = []
     staged: list[torch.Tensor] = []  # kept alive until the streams are done
-    for pieces, device in zip(slices, paths, strict=True):
-        if not pieces:
-            continue
-        stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        streams.append(stream)
-        with torch.cuda.stream(stream):
-            if device == arena.device:
-                _copy_pieces(pieces, arena)
-                continue
-            lo = min(p.dst for p in pieces)
-            n = max(p.dst + p.src.numel() for p in pieces) - lo
-            stage = torch.empty(n, dtype=torch.uint8, device=device)
-            _copy_pieces([Piece(p.src, p.dst - lo) for p in pieces], stage)
-            arena.narrow(0, lo, n).copy_(stage, non_blocking=True)  # the gather, peer to peer
-            staged.append(stage)
+    try:
+        for pieces, device in zip(slices, paths, strict=True):
+            if pieces:
+                streams.append(torch.cuda.Stream(device))  # type: ignore[no-untyped-call]
+                _launch(pieces, device, arena, staged, streams[-1])
+    except BaseException:  # a slice that could not start (a staging buffer out of memory):
+        for stream in streams:  # the arena is freed next, so none may still be writing it
+            stream.synchronize()
+        raise
 
     def wait() -> None:
         for stream in streams:
@@ -163,3 +167,24 @@ def _start_cuda(
         staged.clear()
 
     return wait
+
+
+def _launch(
+    pieces: Sequence[Piece],
+    device: torch.device,
+    arena: torch.Tensor,
+    staged: list[torch.Tensor],
+    stream: torch.cuda.Stream,
+) -> None:  # pragma: no cover - needs a GPU (NOT TESTED: see the module docstring)
+    """One slice on ``stream``, a copy stream of ``device``: straight into the arena on the
+    arena's own device, else staged there and gathered into the arena (peer to peer)."""
+    with torch.cuda.stream(stream):
+        if device == arena.device:
+            _copy_pieces(pieces, arena)
+            return
+        lo = min(p.dst for p in pieces)
+        n = max(p.dst + p.src.numel() for p in pieces) - lo
+        stage = torch.empty(n, dtype=torch.uint8, device=device)
+        staged.append(stage)
+        _copy_pieces([Piece(p.src, p.dst - lo) for p in pieces], stage)
+        arena.narrow(0, lo, n).copy_(stage, non_blocking=True)  # the gather, peer to peer

@@ -4,13 +4,23 @@ each GPU's host link, so the busiest link sets the time."""
 
 from __future__ import annotations
 
+import math
+
+import msgspec
 import pytest
 
 from services.scheduler.core import gpu, gpu_sched
 from services.scheduler.core.books import GpuFacts
 from services.scheduler.core.effects import StartOnNode
 from tangram.chunks import Chunk
-from tangram.contract import DurationHint, GpuDevice, Inventory, NodeReport, PreparedService
+from tangram.contract import (
+    DurationHint,
+    GpuDevice,
+    Inventory,
+    NodeReport,
+    PreparedService,
+    encode,
+)
 
 from .test_scheduler_gpu import core_with, infer, prepared
 
@@ -81,5 +91,84 @@ def test_a_dispatch_predicts_its_end_with_the_sliced_restore() -> None:
         core.enqueue(infer("a", hint=hint), 0.0)
         (start,) = [e for e in core.schedule(0.0) if isinstance(e, StartOnNode)]
         assert len(start.gpus) == 4
+        ends.append(core.gpu._ends["a"])
+    assert ends[1] - ends[0] == pytest.approx(4.0 - 1.0)
+
+
+# ---------------------------------------------------------------- review (R2): prices from a
+# hostile or an older agent, chunk positions against GPU indices
+
+
+def test_an_older_agents_price_is_the_whole_model_through_one_link() -> None:
+    """No link reported (-1 each) and no gather: the price before sliced restores, for every
+    chunk size and whether the chunk is known or not."""
+    for n in (1, 2, 4, 8):
+        facts = _facts((-1,) * 8)
+        facts.services[("judge", n)] = PreparedService(name="judge", dop=n, footprint_mb=8192)
+        assert gpu.restore_s(facts, "judge", n, Chunk(0, n)) == pytest.approx(4.0)
+        assert gpu.restore_s(facts, "judge", n) == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("rate", [5e-324, 1e-300, 0.0, -3.0, float("nan"), float("inf")])
+def test_a_restore_price_is_finite_and_never_negative(rate: float) -> None:
+    for mb, gather in [(16 * 1024 * 1024, rate), (8192, 24.0), (-8192, rate), (float("nan"), 0)]:
+        cost = gpu.restore_cost(mb, (0, 1, 2, 3), rate, gather)
+        assert math.isfinite(cost)
+        assert cost >= 0
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"gather_gb_per_s": float("nan")},
+        {"gather_gb_per_s": -1.0},
+        {"gather_gb_per_s": float("inf")},
+        {"restore_gb_per_s": float("nan")},
+        {"restore_gb_per_s": -2.0},
+        {"restore_gb_per_s": float("inf")},
+        {"gpus": [{"index": 0, "memory_mb": 1, "link": -2}]},
+        {"gpus": [{"index": 0, "memory_mb": 1, "link": 1 << 40}]},
+    ],
+)
+def test_a_hostile_inventory_is_refused_when_decoded(raw: dict[str, object]) -> None:
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"kind": "gpu", **raw}), type=Inventory)
+
+
+@pytest.mark.parametrize("footprint", [-1, -(1 << 40), 1 << 60])
+def test_a_hostile_footprint_is_refused_when_decoded(footprint: int) -> None:
+    raw = {"name": "judge", "dop": 1, "footprint_mb": footprint}
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(raw), type=PreparedService)
+
+
+def test_an_older_agents_inventory_decodes_with_the_defaults() -> None:
+    raw = {"kind": "gpu", "gpus": [{"index": 3, "memory_mb": 80}], "restore_gb_per_s": 11.5}
+    inv = msgspec.msgpack.decode(msgspec.msgpack.encode(raw), type=Inventory)
+    assert inv.gpus[0].link == -1
+    assert inv.gather_gb_per_s == 0.0
+    assert msgspec.msgpack.decode(encode(_report((0, 1))), type=NodeReport) == _report((0, 1))
+
+
+def test_a_dispatch_is_priced_on_its_granted_chunk_by_position_not_index() -> None:
+    """GPUs 10..17, the first four behind one switch and GPU 10 down: the 4-GPU grant goes to
+    14..17, a link each (1 s), not to the slowest chunk of the node (4 s)."""
+    hint = DurationHint(t_ori_s=100.0, parallel_fraction=1.0)
+    ends = []
+    for links in [(4, 4, 4, 4, 0, 1, 2, 3), (0,) * 8]:
+        devices = tuple(
+            GpuDevice(index=10 + i, memory_mb=16_000, link=g) for i, g in enumerate(links)
+        )
+        inv = Inventory(kind="gpu", gpus=devices, restore_gb_per_s=2.0)
+        report = NodeReport(
+            node_id="g0", incarnation="i0", inventory=inv, full=True, services=prepared()
+        )
+        core = core_with(report)
+        facts = core.nodes["g0"].gpu
+        assert facts is not None
+        facts.down.add(10)
+        core.enqueue(infer("a", hint=hint), 0.0)
+        (start,) = [e for e in core.schedule(0.0) if isinstance(e, StartOnNode)]
+        assert start.gpus == (14, 15, 16, 17)
         ends.append(core.gpu._ends["a"])
     assert ends[1] - ends[0] == pytest.approx(4.0 - 1.0)

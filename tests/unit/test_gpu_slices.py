@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 from services.gpu_manager import devices, examples, slices
 from services.gpu_manager.bandwidth import measure_bandwidth, measure_gather
 from services.gpu_manager.host_copy import ALIGN, OVERLAP_BYTES, HostCopy
+from services.gpu_manager.state.copy import StoredCopy
 from services.gpu_manager.state.manager import StateConfig, StateManager
 from tangram.contract import ServiceSpec
 
@@ -149,3 +151,150 @@ async def test_the_agent_reports_its_links_and_serves_exactly_after_a_two_slice_
         out = await node.outcome("a")
         assert out.restore_s > 0
         assert out.output == direct(examples.mlp_service, [0.25] * 8)  # bit-exact
+
+
+# ---------------------------------------------------------------- review (R2): no slice outlives
+# its restore, exact after an eviction whatever k, NVML topology read through a fake NVML
+
+
+def _slice_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("restore-slice")]
+
+
+def _held_copies(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Slice threads that copy only once the returned event is set (a slow link)."""
+    go = threading.Event()
+    copy_pieces = slices._copy_pieces
+
+    def slow(pieces: list[slices.Piece], arena: torch.Tensor) -> None:
+        go.wait(10)
+        copy_pieces(pieces, arena)
+
+    monkeypatch.setattr(slices, "_copy_pieces", slow)
+    return go
+
+
+def _large() -> torch.nn.Module:
+    return examples.mlp(examples.MlpConfig(hidden=1500, layers=3))  # past OVERLAP_BYTES
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_a_failed_rebuild_leaves_no_slice_copying(
+    monkeypatch: pytest.MonkeyPatch, tiered: bool
+) -> None:
+    """The model is rebuilt while the slices copy: when that fails, the restore fails only
+    after every slice ended (on CUDA an arena freed under a copy stream is memory another
+    tensor may be given while the copy still writes it)."""
+    if tiered:
+        mgr = StateManager(StateConfig(pin=False))
+        mgr.start()
+        copy: HostCopy | StoredCopy = mgr.capture("m", _large())
+        module = "services.gpu_manager.state.copy._bind"
+    else:
+        copy = HostCopy(_large())
+        module = "services.gpu_manager.host_copy._bind"
+    go = _held_copies(monkeypatch)
+
+    def broken(*_: object) -> None:
+        go.set()  # the slices may copy now: the failure comes while they do
+        raise MemoryError("no room for the model")
+
+    monkeypatch.setattr(module, broken)
+    with pytest.raises(MemoryError):
+        copy.restore("cpu", paths=["cpu"] * 4)
+    assert not _slice_threads()
+
+
+def test_a_slice_that_cannot_start_leaves_none_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    copy = HostCopy(_large())
+    go = _held_copies(monkeypatch)
+    started = 0
+    real = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        nonlocal started
+        started += 1
+        if started == 3:
+            go.set()
+            raise RuntimeError("can't start new thread")
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(RuntimeError, match="can't start"):
+        copy.restore("cpu", paths=["cpu"] * 4)
+    monkeypatch.undo()
+    assert not _slice_threads()
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_exact_after_eviction_and_a_restore_with_another_k(tiered: bool) -> None:
+    """k = 4, the arena written over by the handler, evicted, then k = 2 and k = 3 (a chunk of
+    other devices): the host bytes were never touched, every byte comes back."""
+    model = _large()
+    ref = _out(model)
+    if tiered:
+        mgr = StateManager(StateConfig(pin=False))
+        mgr.start()
+        copy: HostCopy | StoredCopy = mgr.capture("m", model)
+    else:
+        copy = HostCopy(model)
+    first = copy.restore("cpu", paths=["cpu"] * 4)
+    first.arena.fill_(0xFF)  # everything a handler could do to its device copy
+    arena = copy.evict(first)
+    for k in (2, 3):
+        again = copy.restore("cpu", arena, paths=["cpu"] * k)
+        assert torch.equal(_out(again.model), ref)
+        arena = copy.evict(again)
+        arena.fill_(0)
+
+
+class _FakeNvmlError(Exception):
+    pass
+
+
+class _FakeNvml:
+    """Four GPUs: 0 and 1 behind one PCIe switch, 2 alone, 3 whose topology NVML cannot say."""
+
+    NVMLError = _FakeNvmlError
+
+    def __init__(self, fail_init: bool = False) -> None:
+        self.fail_init = fail_init
+        self.shut = False
+
+    def nvmlInit(self) -> None:
+        if self.fail_init:
+            raise _FakeNvmlError("driver not loaded")
+
+    def nvmlShutdown(self) -> None:
+        self.shut = True
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 4
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, a: int, b: int) -> int:
+        if 3 in (a, b):
+            raise _FakeNvmlError("not supported")
+        return devices.NVML_TOPOLOGY_MULTIPLE if {a, b} == {0, 1} else 40
+
+    def nvmlDeviceGetName(self, h: int) -> bytes:
+        return b"GPU"
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> object:
+        return type("Mem", (), {"total": 4096 * devices.MB})()
+
+
+def test_nvml_topology_gives_the_links_and_errors_fall_back_as_before() -> None:
+    nvml = _FakeNvml()
+    got = devices._query(nvml, devices.DevicesConfig(gpu_reserve_mb=1024))
+    assert [(d.index, d.link, d.torch_device) for d in got] == [
+        (0, 0, "cuda:0"),
+        (1, 0, "cuda:1"),
+        (2, 2, "cuda:2"),
+        (3, 3, "cuda:3"),  # topology unknown: a link of its own
+    ]
+    assert all(d.budget_bytes == 3072 * devices.MB for d in got)
+    assert nvml.shut
+    assert devices._query(_FakeNvml(fail_init=True), devices.DevicesConfig()) == ()

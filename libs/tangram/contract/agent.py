@@ -16,6 +16,11 @@ from tangram.contract.errors import ErrorKind
 from tangram.contract.resources import QuotaSpec, ServiceSpec
 from tangram.contract.scheduler import UnifiedAction
 
+# What a GPU agent reports is priced by the scheduler (a restore's seconds): bounded so that no
+# report makes a price negative, NaN or infinite (NaN and inf fail the bounds).
+GbPerS = Annotated[float, Meta(ge=0, le=1e6)]
+MAX_LINK = 1 << 16
+
 
 class NumaCores(_Msg):
     numa_node: int
@@ -31,7 +36,7 @@ class GpuDevice(_Msg):
     # the host -> device link this device restores through: devices with one id share it
     # (CPU stand-ins: all one memory system); -1, not reported: the chunk restores through
     # one link (an older agent copies a variant through its first device)
-    link: int = -1
+    link: Annotated[int, Meta(ge=-1, le=MAX_LINK)] = -1
 
 
 class Inventory(_Msg):
@@ -44,10 +49,10 @@ class Inventory(_Msg):
     isolates: bool = False
     kind: str = "cpu"
     gpus: tuple[GpuDevice, ...] = ()
-    restore_gb_per_s: float = 0.0  # host -> device copy bandwidth the agent measured, per link
+    restore_gb_per_s: GbPerS = 0.0  # host -> device copy bandwidth the agent measured, per link
     # device -> device bandwidth of the gather that follows a restore of slices through several
     # devices' links onto the device the model runs on (0: none: the slices land there directly)
-    gather_gb_per_s: float = 0.0
+    gather_gb_per_s: GbPerS = 0.0
 
 
 class PreparedService(_Msg):
@@ -56,7 +61,7 @@ class PreparedService(_Msg):
 
     name: str
     dop: int = 1
-    footprint_mb: int = 0
+    footprint_mb: Annotated[int, Meta(ge=0, le=16 * 1024 * 1024)] = 0  # a restore's bytes
     resident: tuple[int, ...] = ()
     error: str = ""
     # since the agent started: calls of this variant run, and the batches (forward passes)

@@ -84,9 +84,11 @@ class StoredCopy:
         spans = [(e.offset, e.offset + e.nbytes) for e in self.layout.entries]
         parts = slices.plan(sources, spans, max(1, len(paths)), self.nbytes)
         wait = slices.start(parts, slab, paths or [str(device)])
-        model = self._spares.pop() if self._spares else copy.deepcopy(self.skeleton)
-        _bind(model, self.layout, _as_state(self.layout, _views(slab, self.layout)))
-        wait()
+        try:  # the model is rebuilt while the slices copy
+            model = self._spares.pop() if self._spares else copy.deepcopy(self.skeleton)
+            _bind(model, self.layout, _as_state(self.layout, _views(slab, self.layout)))
+        finally:  # every slice joined, even when the rebuild failed: none outlives the restore
+            wait()
         return Resident(model, slab, device)
 
     def evict(self, resident: Resident) -> torch.Tensor:

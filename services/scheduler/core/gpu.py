@@ -16,6 +16,7 @@ share it, up to the service's ``max_batch``, and the agent coalesces them into f
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ from tangram.chunks import free_chunks as free_chunks
 
 # When an agent did not measure its host->device bandwidth: a PCIe 4.0 x16 link's practical rate.
 DEFAULT_RESTORE_GB_PER_S = 20.0
+# No real link is slower: a lower figure is not a measurement (and would price a restore at
+# years, or past a float's range).
+MIN_GB_PER_S = 1e-3
 
 
 @dataclass(slots=True)
@@ -118,12 +122,14 @@ def restore_cost(
     gather (``gather_gb_per_s`` > 0: CUDA, the model runs on the chunk's first device), the
     ``(k - 1) / k`` of the bytes loaded through the other devices then cross to it device to
     device; counted after the load, not overlapped with it (an upper bound: the agent starts
-    each slice's gather when that slice is loaded)."""
+    each slice's gather when that slice is loaded). Finite and never negative, whatever it is
+    given (a rate below ``MIN_GB_PER_S`` is taken as that; no bandwidth: the default)."""
     k = max(1, len(links))
-    rate = gb_per_s if gb_per_s > 0 else DEFAULT_RESTORE_GB_PER_S
+    gb = max(0.0, mb) / 1024.0 if math.isfinite(mb) else 0.0
+    rate = max(MIN_GB_PER_S, gb_per_s) if gb_per_s > 0 else DEFAULT_RESTORE_GB_PER_S
     busiest = max(Counter(links).values()) if links else 1
-    load = mb / 1024.0 * busiest / k / rate
-    gather = mb / 1024.0 * (k - 1) / k / gather_gb_per_s if gather_gb_per_s > 0 else 0.0
+    load = gb * busiest / k / rate
+    gather = gb * (k - 1) / k / max(MIN_GB_PER_S, gather_gb_per_s) if gather_gb_per_s > 0 else 0.0
     return load + gather
 
 
