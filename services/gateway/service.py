@@ -230,7 +230,8 @@ class Gateway(Service):
                 owner=owner,
             ),
         )
-        busy = self.admission.admit()  # validated first: a wrong request is told so at once
+        busy = self.admission.admit(action.submitted_at)  # validated first: a wrong request
+        # is told so at once
         if busy is not None:
             return await self._refuse(req.spec.action_id, busy, owner)
         intake = await self.intake.submit(store.Owned(action, owner))

@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 # The drain rate is the finishes of the last few seconds: long enough to smooth one tick's
 # burst of completions, short enough that the gateways' bound follows a change of load.
 WINDOW_S = 5.0
+# Pressure is also published as actions arrive, at most this often (and on every tick).
+PRESSURE_MIN_S = 0.05
 
 
 @dataclass
@@ -59,8 +61,11 @@ class Gauge:
         self.rate = DrainRate()
         self._seen: int | None = None  # the cores' finishes at the last look
 
-    def measure(self, core: SchedulerCore, quotas: QuotaCore, now: float) -> Pressure:
-        """The pressure now (pure but for the counters it advances)."""
+    def measure(
+        self, core: SchedulerCore, quotas: QuotaCore, now: float, received_up_to: float = 0.0
+    ) -> Pressure:
+        """The pressure now (pure but for the counters it advances); ``received_up_to``: the
+        newest submission time among the actions received."""
         total = core.finished + quotas.finished
         # the first look only sets the mark: finishes before it are history
         self.rate.add(0 if self._seen is None else total - self._seen, now)
@@ -72,11 +77,14 @@ class Gauge:
             running=n["running"] + q["quota_calls"],
             finished_per_s=round(self.rate.per_s(), 3),
             window_s=round(self.rate.span_s(), 3),
+            received_up_to=received_up_to,
         )
 
-    async def publish(self, core: SchedulerCore, quotas: QuotaCore, now: float) -> None:
+    async def publish(
+        self, core: SchedulerCore, quotas: QuotaCore, now: float, received_up_to: float = 0.0
+    ) -> None:
         """Measure and publish; a broker that is away only delays the gateways' next look."""
-        pressure = self.measure(core, quotas, now)
+        pressure = self.measure(core, quotas, now, received_up_to)
         try:
             await self.bus.publish(subjects.SCHED_PRESSURE, pressure)
         except TangramError as exc:

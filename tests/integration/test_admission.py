@@ -160,6 +160,7 @@ async def test_overload_is_refused_then_admitted_once_drained(
             for spec in blocked:
                 assert not (await client.submit(spec)).duplicate
             await eventually(lambda: spy.seen_twice(FLOOR), what="the backlog reported")
+            assert spy.reports[-1].received_up_to > 0  # the admissions gateways may forget
 
             # beyond the bound: busy, naming the backlog and the limit, with a retry-after
             extra = exec_spec(uid, "extra", "echo late")
@@ -204,3 +205,26 @@ async def test_overload_is_refused_then_admitted_once_drained(
                 assert res.stdout.strip() == str(i)
     finally:
         await raw.close()
+
+
+async def test_new_actions_are_reported_between_ticks(tmp_path: Path, uid: str) -> None:
+    """Pressure follows new actions at once, not only every tick (a tick of a minute here): a
+    gateway forgets its admissions the scheduler says it received, so a fast stream of short
+    actions is never counted as a backlog for a whole tick."""
+    spy = Spy()
+    env = {"TANGRAM_SCHEDULER_TICK_S": "60"}
+    async with running_mesh(tmp_path / "m", env=env) as mesh:
+        raw = await Bus.connect(mesh.nats_url, "pressure-test")
+        try:
+            await raw.nc.subscribe(subjects.SCHED_PRESSURE.subject, cb=spy.on_pressure)
+            await raw.nc.flush()
+            async with Client.connect(mesh.nats_url) as client:
+                done = await client.run(exec_spec(uid, "one", "true"))
+            assert done.timings is not None
+            submitted = done.timings.submitted_at
+            await eventually(
+                lambda: any(p.received_up_to >= submitted for p in spy.reports),
+                what="a pressure report naming the action received, long before the tick",
+            )
+        finally:
+            await raw.close()

@@ -174,6 +174,7 @@ def test_gauge_measures_backlog_of_both_cores() -> None:
     assert p.finished_per_s == pytest.approx(12.0)
     assert p.backlog == 0
     assert p.window_s == 1.0
+    assert gauge.measure(core, quotas, now=2.0, received_up_to=123.5).received_up_to == 123.5
 
 
 # ----------------------------------------------------------------------------- the client
@@ -190,3 +191,26 @@ def test_the_client_caps_and_sanitises_what_a_server_asks() -> None:
     assert _pause(Busy("b", retry_after_s=math.nan), 0.05) == 0.05
     assert _pause(RemoteError("x", "m", retryable=True, retry_after_s=-1.0), 0.2) == 0.2
     assert _pause(Unavailable("gone"), 0.4) == 0.4
+
+
+def test_admissions_the_scheduler_received_are_not_counted_again() -> None:
+    """A report naming the newest submission it received forgets the admissions up to it:
+    fast actions admitted (and finished) between reports do not pile up as a backlog."""
+    admission = Admission(Bounds(backlog_s=1.0, floor=3, ceiling=1000))
+    assert [admission.admit(float(t)) is None for t in (1, 2, 3, 4)] == [True, True, True, False]
+    # the scheduler received up to 2 and finished them: 3 is still on its way
+    admission.observe(Pressure(queued=0, running=0, finished_per_s=0.0, received_up_to=2.0))
+    assert admission.backlog == 1
+    assert [admission.admit(float(t)) is None for t in (5, 6, 7)] == [True, True, False]
+    # received everything; two still running
+    admission.observe(Pressure(queued=0, running=2, finished_per_s=0.0, received_up_to=6.0))
+    assert admission.backlog == 2
+    assert admission.admit(8.0) is None
+
+
+def test_a_report_receiving_nothing_new_keeps_the_count() -> None:
+    admission = Admission(Bounds(backlog_s=1.0, floor=10, ceiling=1000))
+    for t in (5.0, 6.0):
+        assert admission.admit(t) is None
+    admission.observe(Pressure(queued=3, running=0, received_up_to=4.0))
+    assert admission.backlog == 5

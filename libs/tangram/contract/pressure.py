@@ -23,13 +23,18 @@ class Pressure(_Msg, tag="pressure"):
     """Accepted-but-unfinished actions the scheduler holds, and how fast they finish.
 
     ``queued``/``running`` count both cores (node and quota); ``finished_per_s`` is the rate
-    of terminal results over the last ``window_s`` seconds (0 on a cold mesh)."""
+    of terminal results over the last ``window_s`` seconds (0 on a cold mesh);
+    ``received_up_to`` says which admissions the backlog already counts."""
 
     epoch: Annotated[int, Meta(ge=0)] = 0
     queued: Backlog = 0
     running: Backlog = 0
     finished_per_s: Rate = 0.0
     window_s: Window = 0.0
+    # the newest submission time (a gateway's wall clock) among the actions the scheduler has
+    # received: a gateway's admissions up to it are in this report's backlog, the later ones
+    # not yet (0: not said, an older scheduler)
+    received_up_to: Annotated[float, Meta(ge=0, le=1e11)] = 0.0
 
     @property
     def backlog(self) -> int:
