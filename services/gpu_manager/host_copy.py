@@ -179,15 +179,8 @@ class HostCopy:
         that device's link; through ``device`` alone when ``paths`` is empty."""
         device = torch.device(device)
         slab = self._arena(device, arena)
-        k = max(1, len(paths))
-        parts = slices.plan([self.host], [(0, self.nbytes)], k, self.nbytes)
-        wait = slices.start(parts, slab, paths or [str(device)])
-        try:  # the model is rebuilt while the slices copy
-            model = self._spares.pop() if self._spares else copy.deepcopy(self.skeleton)
-            _bind(model, self.layout, _as_state(self.layout, _views(slab, self.layout)))
-        finally:  # every slice joined, even when the rebuild failed: none outlives the restore
-            wait()
-        return Resident(model, slab, device)
+        rebuild = Rebuild(self.layout, self.skeleton, self._spares)
+        return restore_sliced([self.host], [(0, self.nbytes)], slab, rebuild, device, paths)
 
     def evict(self, resident: Resident) -> torch.Tensor:
         """Release a resident: its model is kept (on ``meta``) for the next restore; nothing is
@@ -201,6 +194,37 @@ class HostCopy:
         if arena.dtype != torch.uint8 or arena.device != device or arena.numel() < self.nbytes:
             raise ValueError(f"arena must be ≥ {self.nbytes} uint8 bytes on {device}")
         return arena.narrow(0, 0, self.nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Rebuild:
+    """How a copy makes a model of its state: the layout, the skeleton, the spares kept."""
+
+    layout: Layout
+    skeleton: torch.nn.Module
+    spares: list[torch.nn.Module]
+
+
+def restore_sliced(
+    sources: Sequence[torch.Tensor],
+    spans: Sequence[tuple[int, int]],
+    slab: torch.Tensor,
+    rebuild: Rebuild,
+    device: torch.device,
+    paths: Sequence[str],
+) -> Resident:
+    """``sources`` (filling ``spans`` of ``slab``) copied as one slice per device of ``paths``
+    (``device`` alone when empty), a model rebuilt on the slab meanwhile (a spare if any)."""
+    parts = slices.plan(sources, spans, max(1, len(paths)), rebuild.layout.nbytes)
+    wait = slices.start(parts, slab, paths or [str(device)])
+    try:  # the model is rebuilt while the slices copy
+        spares = rebuild.spares
+        model = spares.pop() if spares else copy.deepcopy(rebuild.skeleton)
+        layout = rebuild.layout
+        _bind(model, layout, _as_state(layout, _views(slab, layout)))
+    finally:  # every slice joined, even when the rebuild failed: none outlives the restore
+        wait()
+    return Resident(model, slab, device)
 
 
 def _rebound_meta(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:

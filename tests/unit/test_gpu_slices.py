@@ -189,10 +189,9 @@ def test_a_failed_rebuild_leaves_no_slice_copying(
         mgr = StateManager(StateConfig(pin=False))
         mgr.start()
         copy: HostCopy | StoredCopy = mgr.capture("m", _large())
-        module = "services.gpu_manager.state.copy._bind"
     else:
         copy = HostCopy(_large())
-        module = "services.gpu_manager.host_copy._bind"
+    module = "services.gpu_manager.host_copy._bind"  # both kinds rebuild through it
     go = _held_copies(monkeypatch)
 
     def broken(*_: object) -> None:

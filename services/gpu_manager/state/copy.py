@@ -9,22 +9,19 @@ The caller makes sure the keys are in host memory and pinned for the copy (``man
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from services.gpu_manager import slices
 from services.gpu_manager.host_copy import (
     Layout,
+    Rebuild,
     Resident,
-    _as_state,
-    _bind,
     _collect,
     _place,
     _rebound_meta,
-    _views,
+    restore_sliced,
 )
 from services.gpu_manager.state.keys import key_of, raw_bytes
 
@@ -82,14 +79,8 @@ class StoredCopy:
         slab = arena.narrow(0, 0, self.nbytes)
         sources = [self._host[key] for key in self.keys]
         spans = [(e.offset, e.offset + e.nbytes) for e in self.layout.entries]
-        parts = slices.plan(sources, spans, max(1, len(paths)), self.nbytes)
-        wait = slices.start(parts, slab, paths or [str(device)])
-        try:  # the model is rebuilt while the slices copy
-            model = self._spares.pop() if self._spares else copy.deepcopy(self.skeleton)
-            _bind(model, self.layout, _as_state(self.layout, _views(slab, self.layout)))
-        finally:  # every slice joined, even when the rebuild failed: none outlives the restore
-            wait()
-        return Resident(model, slab, device)
+        rebuild = Rebuild(self.layout, self.skeleton, self._spares)
+        return restore_sliced(sources, spans, slab, rebuild, device, paths)
 
     def evict(self, resident: Resident) -> torch.Tensor:
         """Release a resident (nothing is written back); its model is kept for the next restore."""
