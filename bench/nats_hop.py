@@ -1,6 +1,8 @@
 """The floor under every hop of the mesh: a bare nats-py request/reply between two processes
 through an embedded nats-server, back to back and with the callers idle in between (as at a
-few actions a second), so the mesh's own overhead can be read against what the machine gives.
+few actions a second), so the mesh's own overhead can be read against what the machine gives;
+then the same round trip through the mesh's own bus (``tangram.bus``) with and without a
+stored trace (what a traced hop costs: both ends record a span, the context rides in headers).
 
     python -m bench.nats_hop [--requests 300]
 
@@ -21,7 +23,11 @@ from pathlib import Path
 import nats
 import uvloop
 
+from tangram import telemetry
+from tangram.bus import Bus
+from tangram.contract import Done, GetResult
 from tangram.embedded import EmbeddedNats
+from tangram.subjects import Endpoint
 
 GAPS_S = (0.0, 0.002, 0.02)
 SUBJECT = "bench.hop"
@@ -56,6 +62,32 @@ async def measure(url: str, requests: int) -> dict[str, dict[str, float]]:
     return out
 
 
+async def traced_hop(url: str, requests: int) -> dict[str, dict[str, float]]:
+    """Round trips through ``tangram.bus`` in this process, plain and traced, interleaved."""
+    telemetry.setup("bench-hop", None, traces_per_s=1e9)  # spans stored, every one traced
+    endpoint: Endpoint[GetResult, Done] = Endpoint("bench.bus-hop", GetResult, Done)
+    asker, server = await Bus.connect(url, "asker"), await Bus.connect(url, "server")
+
+    async def done(req: GetResult, msg: object) -> Done:
+        return Done()
+
+    server.serve(endpoint, done)
+    await server.start()
+    rtts: dict[str, list[float]] = {"plain": [], "traced": []}
+    for i in range(2 * requests):
+        kind = "traced" if i % 2 else "plain"
+        t0 = time.perf_counter()
+        if kind == "traced":
+            with telemetry.tracer().start_as_current_span("bench.root"):
+                await asker.request(endpoint, GetResult(action_id="x"))
+        else:
+            await asker.request(endpoint, GetResult(action_id="x"))
+        rtts[kind].append((time.perf_counter() - t0) * 1e6)
+    await asker.close()
+    await server.close()
+    return {k: {"p50_us": round(statistics.median(v))} for k, v in rtts.items()}
+
+
 async def main(requests: int) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="tangram-hop-") as tmp:
         server = EmbeddedNats(Path(tmp)).start()
@@ -66,7 +98,8 @@ async def main(requests: int) -> dict[str, object]:
         try:
             assert other.stdout is not None
             await asyncio.wait_for(other.stdout.readline(), 30)
-            return {"round_trip": await measure(server.url, requests)}
+            bare = await measure(server.url, requests)
+            return {"round_trip": bare, "bus_round_trip": await traced_hop(server.url, requests)}
         finally:
             other.terminate()
             await other.wait()

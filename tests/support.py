@@ -185,11 +185,4 @@ async def raw_nats(url: str, creds: Path, errors: list[Exception]) -> NATS:
     async def on_error(exc: Exception) -> None:
         errors.append(exc)
 
-    return await nats.connect(
-        url,
-        user=who.user,
-        password=who.password,
-        inbox_prefix=who.inbox_prefix,
-        error_cb=on_error,
-        allow_reconnect=False,
-    )
+    return await nats.connect(url, **who.login(), error_cb=on_error, allow_reconnect=False)

@@ -35,7 +35,7 @@ import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 
@@ -187,6 +187,11 @@ class Creds(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @property
     def inbox_prefix(self) -> str:
         return inbox_prefix(self.user)
+
+    def login(self) -> dict[str, Any]:
+        """nats-py's connect options that present this credential: the user, its password and
+        its own inbox prefix (the only one it may read replies under)."""
+        return {"user": self.user, "password": self.password, "inbox_prefix": self.inbox_prefix}
 
 
 def is_admin(creds: Creds) -> bool:

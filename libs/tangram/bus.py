@@ -515,7 +515,7 @@ class Bus(BaseBus):
             "reconnected_cb": reconnected,  # logs, then ``on_reconnect`` (a client resyncs)
         }
         if who is not None:  # its own inbox prefix: the only one it may read replies under
-            options.update(user=who.user, password=who.password, inbox_prefix=who.inbox_prefix)
+            options.update(who.login())
         nc = _Nats()
         refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         connecting = asyncio.ensure_future(
@@ -607,9 +607,7 @@ async def admits(url: str, creds: str | Path, timeout_s: int = 2) -> bool:
     try:
         await nc.connect(
             url,
-            user=who.user,
-            password=who.password,
-            inbox_prefix=who.inbox_prefix,
+            **who.login(),
             connect_timeout=timeout_s,
             allow_reconnect=False,
             max_reconnect_attempts=0,

@@ -67,7 +67,7 @@ SELECT action_id, '' AS owner, true AS allowed, NULL::bigint AS n FROM ins
 # A batch whose every owned action is in a trajectory this gateway saw claimed by that same
 # owner (``Claims``): nothing to claim or check, since a claim is never moved or dropped
 # (trajectory_owners only grows). The plain insert, owners stored: 0.45 ms a one-row batch
-# against 0.73 ms with the claim (p50 of 300 on this machine's embedded Postgres).
+# against 0.73 ms with the claim (p50 of 300 in a one-off probe on the embedded Postgres).
 _INSERT_CLAIMED = """
 WITH input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[],
