@@ -598,28 +598,40 @@ def _resynced(tasks: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], 
     return done
 
 
+ADMITS_ATTEMPTS: Final = 3  # a login probe's tries when the broker closes before saying why
+
+
 async def admits(url: str, creds: str | Path, timeout_s: int = 2) -> bool:
-    """Whether the broker at ``url`` takes the login in ``creds`` now: one attempt, no
+    """Whether the broker at ``url`` takes the login in ``creds`` now: a new connection per
+    attempt (up to ``ADMITS_ATTEMPTS`` when the broker closes before saying why), no
     reconnecting, the connection closed before returning (a probe, not a bus: a reconnecting
     client's refused attempts are what leave sockets behind). Unreachable: ``Unavailable``."""
     who = auth.load_creds(creds)
-    nc = NATS()
-    try:
-        await nc.connect(
-            url,
-            **who.login(),
-            connect_timeout=timeout_s,
-            allow_reconnect=False,
-            max_reconnect_attempts=0,
-            error_cb=_ignore,
-        )
-    except (TimeoutError, OSError, nats.errors.Error) as exc:
-        if _is_refusal(exc):
-            return False
-        raise Unavailable(f"cannot connect to NATS at {url}: {exc or type(exc).__name__}") from exc
-    finally:  # without reconnecting, nats-py raises a refusal with its socket still open
-        await _close_quietly(nc)
-    return True
+    for attempt in range(1, ADMITS_ATTEMPTS + 1):
+        nc = NATS()
+        try:
+            await nc.connect(
+                url,
+                **who.login(),
+                connect_timeout=timeout_s,
+                allow_reconnect=False,
+                max_reconnect_attempts=0,
+                error_cb=_ignore,
+            )
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            if _is_refusal(exc):
+                return False
+            # A broker that refuses a login says so and closes the connection; nats-py may meet
+            # the close before it reads why (seen in CI: "Connection lost" for a removed
+            # client). Ask again: a refusal says so next time, an absent broker stays absent.
+            if attempt < ADMITS_ATTEMPTS and isinstance(exc, ConnectionResetError):
+                continue
+            why = exc or type(exc).__name__
+            raise Unavailable(f"cannot connect to NATS at {url}: {why}") from exc
+        finally:  # without reconnecting, nats-py raises a refusal with its socket still open
+            await _close_quietly(nc)
+        return True
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 async def _ignore(exc: Exception) -> None:

@@ -350,3 +350,42 @@ async def a_node_speaks_for_itself_alone(url: str, keys: Path, uid: str) -> None
             await bus.request(subjects.sched_node(me), forged, timeout=5)
     finally:
         await bus.close()
+
+
+async def test_a_login_probe_asks_again_when_the_broker_closes_before_saying_why(
+    tmp_path: Path,
+) -> None:
+    """A broker refusing a login may reset the connection before nats-py reads its refusal
+    (seen in CI as "Connection lost"); the probe asks again and hears the refusal."""
+    import socket
+    import struct
+
+    from tangram.auth import Keyring, Principal
+
+    seen: list[str] = []
+
+    async def broker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b'INFO {"server_id":"fake","version":"2.10.0","max_payload":1048576}\r\n')
+        await writer.drain()
+        while b"PING" not in await reader.readline():
+            pass
+        if not seen:  # the first time: reset, nothing said
+            seen.append("reset")
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+            return
+        seen.append("refused")
+        writer.write(b"-ERR 'Authorization Violation'\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(broker, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    creds = Keyring(tmp_path).ensure(Principal("client", "someone"))
+    try:
+        assert not await admits(f"nats://127.0.0.1:{port}", creds)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert seen == ["reset", "refused"]
