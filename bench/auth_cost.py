@@ -2,8 +2,9 @@
 
 1. NATS with auth (``tangram.auth`` permissions, per-role users) against NATS without: CPU of
    nats-server and of this process per request/reply through a trivial responder.
-2. The process backend running each trajectory as its own uid against running actions as
-   this user: CPU (this process and its children) per ``true`` action.
+2. The process backend running each trajectory as its own uid (through ``tangram-dropuid``,
+   and through util-linux's ``setpriv`` as before it) against running actions as this user:
+   CPU (this process and its children) per ``true`` action.
 
     python -m bench.auth_cost [--requests 20000] [--actions 400] [--rounds 3]
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import resource
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from services.cpu_manager.backend_api import ExecRequest
+from services.cpu_manager.process import users
 from services.cpu_manager.process.backend import ProcessBackend, ProcessConfig
 from tangram import subjects
 from tangram.auth import CLIENT, GATEWAY, Keyring, Principal
@@ -58,16 +61,15 @@ async def nats_point(auth_on: bool, requests: int, root: Path) -> dict[str, Any]
         async def answer(req: Any, msg: Any) -> None:
             raise NotFound("bench")
 
-        serving.serve(subjects.GATEWAY, answer)
+        serving.serve(subjects.GATEWAY_CLIENTS, answer)  # where clients ask
         await serving.start()
         sem = asyncio.Semaphore(IN_FLIGHT)
+        asked = subjects.gateway_of("bench")  # the client credential's own subject
 
         async def one(i: int) -> None:
             async with sem:
                 try:
-                    await asyncio.wait_for(
-                        asking.request(subjects.GATEWAY, GetResult(action_id=str(i))), 10
-                    )
+                    await asyncio.wait_for(asking.request(asked, GetResult(action_id=str(i))), 10)
                 except NotFound:
                     pass
 
@@ -87,13 +89,21 @@ async def nats_point(auth_on: bool, requests: int, root: Path) -> dict[str, Any]
     }
 
 
-async def backend_point(own_uids: bool, actions: int, base: Path) -> dict[str, Any]:
-    """``true`` actions over 32 trajectories: ms of CPU per action (agent + children)."""
+async def backend_point(launcher: str, actions: int, base: Path) -> dict[str, Any]:
+    """``true`` actions over 32 trajectories: ms of CPU per action (agent + children), run as
+    this user (``launcher`` "") or as each trajectory's uid through "tangram-dropuid" or
+    "setpriv"."""
+    own_uids = bool(launcher)
     os.mkdir(base)
     os.chmod(base, 0o711 if own_uids else 0o700)  # closed: the backend falls back to our user
     b = ProcessBackend(ProcessConfig(root=base / "envs", incarnation="bench"))
     await b.start()
     assert b.run_as.per_trajectory == own_uids, b.run_as
+    if launcher == "setpriv":
+        assert users.SETPRIV is not None, "no setpriv here"
+        b.run_as = dataclasses.replace(b.run_as, launcher=users.SETPRIV)
+    elif own_uids:
+        assert "tangram-dropuid" in b.run_as.launcher, b.run_as
     cores = tuple(sorted(os.sched_getaffinity(0)))[:1]
     try:
         s0, c0, t0 = _self_cpu_s(), _self_cpu_s(children=True), time.perf_counter()
@@ -106,6 +116,7 @@ async def backend_point(own_uids: bool, actions: int, base: Path) -> dict[str, A
         await b.close()
     return {
         "own_uids": own_uids,
+        "launcher": launcher or None,
         "agent_ms_per_action": round(1e3 * (s1 - s0) / actions, 3),
         "children_ms_per_action": round(1e3 * (c1 - c0) / actions, 3),
         "wall_ms_per_action": round(1e3 * (t1 - t0) / actions, 3),
@@ -120,8 +131,9 @@ async def main(args: argparse.Namespace) -> None:
             for on in (False, True):
                 print(json.dumps(await nats_point(on, args.requests, tmp / f"n{r}{on}")))
             if os.geteuid() == 0:
-                for on in (False, True):
-                    print(json.dumps(await backend_point(on, args.actions, tmp / f"b{r}{on}")))
+                for launcher in ("", "tangram-dropuid", "setpriv"):
+                    where = tmp / f"b{r}{launcher}"
+                    print(json.dumps(await backend_point(launcher, args.actions, where)))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

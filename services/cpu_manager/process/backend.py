@@ -272,15 +272,16 @@ class ProcessBackend:
         """Runs on the launcher thread: pin this thread, then spawn (the child inherits it).
 
         The pipes are plain fds owned by the caller, so exactly one party ever closes them.
-        ``uid`` (None: this agent's own) is taken on by ``setpriv`` right before the action's
-        program (see ``users.as_uid``).
+        ``uid`` (None: this agent's own) is taken on by the launcher (``tangram-dropuid``, else
+        setpriv) right before the action's program (see ``users.as_uid``).
         """
         doomed = self._doomed.pop(req.action_id, None)
         if doomed is not None:
             raise _Doomed(doomed)
         env = self._environ(req, workdir)
         path = env.get("PATH", os.defpath)  # where the program is looked up, as exec would
-        argv = req.argv if uid is None else users.as_uid(uid, req.argv, path, workdir)
+        launcher = self.run_as.launcher
+        argv = req.argv if uid is None else users.as_uid(uid, req.argv, path, workdir, launcher)
         os.sched_setaffinity(0, req.cores)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import shutil
 import stat
@@ -29,10 +30,13 @@ from typing import IO, Final
 
 import psutil
 
+from services.cpu_manager.process import dropuid
+
 UID_BASE: Final = 0x4000_0000  # far above what useradd, systemd or subuid ranges hand out
 SLOT_SIZE: Final = 65_536
 SLOTS: Final = 4096
 SLOT_DIR: Final = Path("/run/tangram/uid-slots")  # root's own: nobody else can hold a slot
+log = logging.getLogger(__name__)
 SETPRIV: Final = shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin")  # util-linux
 
 
@@ -42,26 +46,33 @@ class RunAs:
 
     per_trajectory: bool
     why: str = ""
+    launcher: str = ""  # what drops root before an action: tangram-dropuid, else setpriv
 
     def line(self) -> str:
         """The words of the startup line about users."""
         if self.per_trajectory:
-            return "each trajectory as its own unprivileged uid, its directory closed to others"
+            how = "tangram-dropuid" if self.launcher != SETPRIV else f"setpriv: {self.why}"
+            return f"each trajectory as its own unprivileged uid ({how}), its directory closed"
         return f"actions as this agent's user ({self.why}), trajectories can read each other"
 
 
-def run_as(root: Path, *, wanted: bool = True) -> RunAs:
-    """Whether actions under ``root`` can run as their own uids here (and are ``wanted`` to)."""
+def run_as(root: Path, *, wanted: bool = True, bin_dir: Path = dropuid.BIN_DIR) -> RunAs:
+    """Whether actions under ``root`` can run as their own uids here (and are ``wanted`` to),
+    and through what (builds ``tangram-dropuid`` into ``bin_dir`` if missing: blocking)."""
     if not wanted:
         return RunAs(False, "trajectory_uids off")
     if os.geteuid() != 0:
         return RunAs(False, "not root: cannot switch users")
-    if SETPRIV is None:
-        return RunAs(False, "setpriv (util-linux) not found")
     closed = _closed_ancestor(root)
     if closed is not None:
         return RunAs(False, f"{closed} is closed to other users; use a state dir outside it")
-    return RunAs(True)
+    built, why = dropuid.launcher(bin_dir)
+    if built is not None:
+        return RunAs(True, launcher=str(built))
+    if SETPRIV is None:
+        return RunAs(False, f"no tangram-dropuid ({why}) and no setpriv (util-linux)")
+    log.warning("actions drop root through setpriv (~1 ms more CPU each): %s", why)
+    return RunAs(True, f"no tangram-dropuid: {why}", launcher=SETPRIV)
 
 
 def _closed_ancestor(path: Path) -> Path | None:
@@ -130,18 +141,20 @@ class SlotClaim:
             self._file = None
 
 
-def as_uid(uid: int, argv: Sequence[str], path: str, cwd: Path) -> tuple[str, ...]:
+def as_uid(uid: int, argv: Sequence[str], path: str, cwd: Path, launcher: str) -> tuple[str, ...]:
     """``argv`` to run as ``uid`` (the same gid, no supplementary groups, no gain through
-    setuid programs), through setpriv.
+    setuid programs), through ``launcher`` (``tangram-dropuid`` or setpriv, see ``run_as``).
 
     Why not ``Popen(user=...)``: CPython then forks the whole agent instead of vfork-ing, which
     cost ~5 ms more CPU per action (bench/auth_cost.py). A program that does not exist is
-    named here, as a failed exec would name it (setpriv would only say it failed)."""
-    assert SETPRIV is not None, "run_as() said per-trajectory uids are possible"
+    named here, as a failed exec would name it (the launcher would only say it failed)."""
+    assert launcher, "run_as() said per-trajectory uids are possible"
     program = argv[0]
     found = cwd / program if "/" in program else shutil.which(program, path=path)
     if found is None or not os.path.exists(found):
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+    if launcher != SETPRIV:
+        return (launcher, str(uid), str(uid), *argv)
     drop = (f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--")
     return (SETPRIV, *drop, *argv)
 
