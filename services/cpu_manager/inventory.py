@@ -21,4 +21,7 @@ def read(backend: str, isolates: bool, cores: str = "", memory_mb: int = 0) -> I
         memory_mb=int(mem),
         backend=backend,
         isolates=isolates,
+        # a process-backend environment is a directory: idle, it holds no memory (a Docker
+        # one is a container, paused or saved to disk by the backend's own tiers)
+        idle_envs_hold_memory=backend != "process",
     )

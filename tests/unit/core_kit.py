@@ -46,12 +46,19 @@ def report(
     mem: int = 1000,
     running: tuple[RunningAction, ...] = (),
     seen: int = 0,
+    idle_envs_hold_memory: bool = True,
 ) -> NodeReport:
     per = cores // numa
     layout = tuple(
         NumaCores(numa_node=k, cores=tuple(range(k * per, (k + 1) * per))) for k in range(numa)
     )
-    inv = Inventory(numa=layout, memory_mb=mem, backend="process", isolates=False)
+    inv = Inventory(
+        numa=layout,
+        memory_mb=mem,
+        backend="process",
+        isolates=False,
+        idle_envs_hold_memory=idle_envs_hold_memory,
+    )
     return NodeReport(
         node_id=node, incarnation=inc, inventory=inv, running=running, full=True, seen=seen
     )

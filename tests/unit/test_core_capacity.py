@@ -136,3 +136,36 @@ def test_a_lost_environment_is_reported_once_and_survives_no_restart():
     assert [e.status for e in reported] == ["closed"]  # recorded: a restart does not repeat it
     core.enqueue(action("second", "t"), 2.0)
     assert [s.action.spec.action_id for s in starts(core.schedule(2.0))] == ["second"]
+
+
+def test_idle_environments_that_hold_no_memory_are_never_reclaimed_for_it():
+    """The process backend's environments are directories: booked while an action runs in
+    them, never ended "under memory pressure" when idle (they would free nothing but their
+    files). A node whose idle environments hold memory keeps reclaiming (above)."""
+    core = SchedulerCore(cfg=CoreConfig())
+    core.node_report(report("n0", cores=2, mem=1000, idle_envs_hold_memory=False), 0.0)
+    node = core.nodes["n0"]
+    for i, t in enumerate(("t1", "t2", "t3", "t4", "t1")):  # 5 x 400 MiB > 1000 MiB
+        core.enqueue(action(f"a{i}", t, mem=400), float(i))
+        effects = core.schedule(float(i))
+        assert not [e for e in effects if isinstance(e, DropEnvOnNode)]
+        (run,) = starts(effects)
+        assert node.reserved_mb == 400
+        core.complete(done(run, "n0", "i0", 1), float(i) + 0.5)
+        assert node.reserved_mb == 0
+    assert set(core.envs) == {"t1", "t2", "t3", "t4"}  # t1 kept its environment
+    for i, t in enumerate(("t1", "t2", "t3")):  # running ones are booked: the third waits
+        core.enqueue(action(f"b{i}", t, mem=400), 10.0)
+    assert len(starts(core.schedule(10.0))) == 2
+    assert node.reserved_mb == 800
+    assert core.waits["b2"].startswith("waiting for memory: its environment needs 400 MiB")
+
+
+def test_a_restarted_scheduler_books_only_the_running_environments_of_such_a_node():
+    core = SchedulerCore(cfg=CoreConfig())
+    for t in ("idle", "busy"):
+        core.restore_env(EnvPlacement(t, "j", "n0", "i0", 400))
+    core.restore_running(action("r", "busy", mem=400), "n0", "i0", (0,), 0.0)
+    core.node_report(report("n0", cores=2, mem=1000, idle_envs_hold_memory=False), 0.0)
+    assert core.nodes["n0"].reserved_mb == 400  # "busy" alone
+    assert core.envs["idle"].on_disk

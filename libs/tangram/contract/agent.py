@@ -47,6 +47,9 @@ class Inventory(_Msg):
     memory_mb: int = 0
     backend: str = ""
     isolates: bool = False
+    # False: an environment holds node memory only while an action runs in it (the process
+    # backend's is a directory); an idle one books none and is never reclaimed for memory
+    idle_envs_hold_memory: bool = True
     kind: str = "cpu"
     gpus: tuple[GpuDevice, ...] = ()
     restore_gb_per_s: GbPerS = 0.0  # host -> device copy bandwidth the agent measured, per link

@@ -26,6 +26,7 @@ class Node:
     # pipelining: a busy core -> the actions granted it next, in order, waiting on the node
     next: dict[int, list[str]] = field(default_factory=dict)
     on_disk: set[str] = field(default_factory=set)  # its envs saved to disk (env_tiers)
+    idle_envs_hold_memory: bool = True  # False: only envs with an action running are booked
     envs_seen: frozenset[str] = frozenset()  # the environments its last full report held
 
     @property

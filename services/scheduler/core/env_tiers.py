@@ -1,5 +1,9 @@
 """Environments on disk hold no node memory: the scheduler's side of environment tiering.
 
+On a node whose idle environments hold no memory at all (the process backend: an environment
+is a directory) the scheduler tiers them itself: an environment is booked while an action of
+it runs, and unbooked as "on disk" when the last one ends (``idled``).
+
 A CPU node agent may save an idle environment to disk and remove its container (plexrl §4.5);
 its reports name those (``NodeReport.envs_on_disk``). The scheduler then books only running and
 paused environments against the node's memory, so more trajectories fit on a node. An action
@@ -45,8 +49,8 @@ def sync(
     An environment with an action running or dispatched is resident whatever an older report
     says (its restore is under way)."""
     on_disk = set(report.envs_on_disk)
-    if not on_disk and not node.on_disk:
-        return []  # nothing tiered here: a heartbeat costs nothing more
+    if not node.idle_envs_hold_memory or (not on_disk and not node.on_disk):
+        return []  # nothing tiered by the node (or the scheduler tiers it: idled)
     busy = {r.action.spec.trajectory_id for r in running.values() if r.node_id == node.node_id}
     for tid in on_disk | node.on_disk:  # what changes tier: O(environments on disk)
         env = envs.get(tid)
@@ -69,6 +73,26 @@ def _tier(env: EnvPlacement, node: Node, on_disk: bool) -> None:
     else:
         node.on_disk.discard(env.trajectory_id)
     node.reserved_mb += -env.memory_mb if on_disk else env.memory_mb
+
+
+def idled(env: EnvPlacement | None, node: Node, running: Mapping[str, Dispatched]) -> None:
+    """An action of ``env`` ended (no longer in ``running``). On a node whose idle
+    environments hold no memory (``Inventory.idle_envs_hold_memory``: the process backend's
+    is a directory), it is unbooked as if on disk unless another action of its trajectory runs
+    there; its next action books it again (:func:`booked`). Booked while idle, a burst of new
+    trajectories would end idle ones "under memory pressure" that freed nothing but their
+    files."""
+    if (
+        env is None
+        or node.idle_envs_hold_memory
+        or env.on_disk
+        or env.node_id != node.node_id
+        or env.incarnation != node.incarnation
+    ):
+        return
+    tid = env.trajectory_id
+    if not any(r.action.spec.trajectory_id == tid for r in running.values()):
+        _tier(env, node, True)
 
 
 def booked(env: EnvPlacement, node: Node | None) -> None:

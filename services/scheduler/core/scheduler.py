@@ -255,6 +255,7 @@ class SchedulerCore:
         numa = {n.numa_node: tuple(n.cores) for n in inv.numa}
         all_cores = {c for cs in numa.values() for c in cs}
         node = Node(report.node_id, report.incarnation, numa, inv.memory_mb, all_cores, now)
+        node.idle_envs_hold_memory = inv.idle_envs_hold_memory
         self.nodes[node.node_id] = node
         self.pending.all_unchecked = True
         return node
@@ -262,9 +263,14 @@ class SchedulerCore:
     def _drop_stale(self, node: Node, now: float) -> list[Effect]:
         """Books restored from Postgres for this node: keep the current incarnation's only."""
         effects: list[Effect] = []
+        busy = {r.action.spec.trajectory_id for r in self.running.values()}
         for env in [e for e in self.envs.values() if e.node_id == node.node_id]:
             if env.incarnation == node.incarnation:
-                node.reserved_mb += env.memory_mb
+                if node.idle_envs_hold_memory or env.trajectory_id in busy:
+                    node.reserved_mb += env.memory_mb
+                else:  # idle, holding nothing (see env_tiers.idled)
+                    env.on_disk = True
+                    node.on_disk.add(env.trajectory_id)
             else:
                 effects.append(self._end_env(env, "lost", f"node {node.node_id} restarted"))
         for aid, run in list(self.running.items()):
@@ -511,6 +517,7 @@ class SchedulerCore:
         node = self.nodes.get(run.node_id)
         if node is not None and node.incarnation == run.incarnation:
             self._give_back(node, run)
+            env_tiers.idled(self.envs.get(run.action.spec.trajectory_id), node, self.running)
 
     def _give_back(self, node: Node, run: Dispatched) -> None:
         """Free an ended run's units (a GPU chunk only when no other call shares it). A core
@@ -767,9 +774,14 @@ class SchedulerCore:
         if self._free_mb(p).get(node_id, 0) < env.memory_mb:
             reclaimed = self._reclaim_memory(env.memory_mb, p, only=node_id)
         if self._free_mb(p).get(node_id, 0) < env.memory_mb:
+            node = self.nodes.get(node_id)
+            kept = node is None or node.idle_envs_hold_memory
             self.waits[act.spec.action_id] = (
                 f"its environment is on disk and node {node_id} has not the "
                 f"{env.memory_mb} MB to restore it"
+                if kept
+                else f"waiting for memory: its environment needs {env.memory_mb} MiB while "
+                f"an action runs in it, node {node_id} has less unbooked"
             )
             return False, reclaimed
         self.waits.pop(act.spec.action_id, None)
