@@ -7,6 +7,8 @@
    CPU (this process and its children) per ``true`` action.
 
     python -m bench.auth_cost [--requests 20000] [--actions 400] [--rounds 3]
+
+Writes bench/results/auth_cost.json.
 """
 
 from __future__ import annotations
@@ -123,19 +125,27 @@ async def backend_point(launcher: str, actions: int, base: Path) -> dict[str, An
     }
 
 
-async def main(args: argparse.Namespace) -> None:
+async def main(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="tgb-", dir="/tmp"))
     os.chmod(tmp, 0o711)
+    rows: list[dict[str, Any]] = []
     try:
-        for r in range(args.rounds):
+        for r in range(args.rounds):  # interleaved: the machine's drift hits every variant
             for on in (False, True):
-                print(json.dumps(await nats_point(on, args.requests, tmp / f"n{r}{on}")))
+                rows.append(await nats_point(on, args.requests, tmp / f"n{r}{on}"))
+                print(json.dumps(rows[-1]))
             if os.geteuid() == 0:
                 for launcher in ("", "tangram-dropuid", "setpriv"):
                     where = tmp / f"b{r}{launcher}"
-                    print(json.dumps(await backend_point(launcher, args.actions, where)))
+                    rows.append(await backend_point(launcher, args.actions, where))
+                    print(json.dumps(rows[-1]))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "what": __doc__.split("\n\n")[0],
+        "machine": {"cores": os.cpu_count(), "root": os.geteuid() == 0},
+        "rounds": rows,
+    }
 
 
 if __name__ == "__main__":
@@ -143,4 +153,8 @@ if __name__ == "__main__":
     ap.add_argument("--requests", type=int, default=20_000)
     ap.add_argument("--actions", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=3)
-    asyncio.run(main(ap.parse_args()))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "auth_cost.json"))
+    args = ap.parse_args()
+    found = asyncio.run(main(args))
+    Path(args.out).write_text(json.dumps(found, indent=1) + "\n")
+    print(f"wrote {args.out}")
