@@ -37,17 +37,19 @@ class Choice:
     line: str
 
 
-def _fallback(cfg: CpuManagerConfig, why: str) -> Choice:
+async def _fallback(cfg: CpuManagerConfig, why: str) -> Choice:
     if cfg.backend == "docker":
         raise Unavailable(f"docker backend requested but {why}")
     if os.environ.get(CONTAINER_VAR):  # the process backend would run actions in here, unisolated
         raise Unavailable(f"no fallback to the process backend inside a container ({why})")
-    return Choice("process", f"process backend ({why}; {_users(cfg)}; NOT isolated)")
+    return Choice("process", f"process backend ({why}; {await _users(cfg)}; NOT isolated)")
 
 
-def _users(cfg: CpuManagerConfig) -> str:
-    """Whom the process backend's actions would run as (file ownership is all it separates)."""
-    return users.run_as(cfg.env_root(), wanted=cfg.trajectory_uids).line()
+async def _users(cfg: CpuManagerConfig) -> str:
+    """Whom the process backend's actions would run as (file ownership is all it separates);
+    in a thread: the first call of a boot builds tangram-dropuid."""
+    found = await asyncio.to_thread(users.run_as, cfg.env_root(), wanted=cfg.trajectory_uids)
+    return found.line()
 
 
 def _missing_image(cfg: CpuManagerConfig) -> str:
@@ -72,17 +74,18 @@ async def _ensure_image(cfg: CpuManagerConfig, build: bool) -> tuple[bool, str]:
 async def choose(cfg: CpuManagerConfig, *, build_image: bool = False) -> Choice:
     """Docker or process, and why; with ``build_image`` a missing default image is built."""
     if cfg.backend == "process":
-        return Choice("process", f"process backend (as configured; {_users(cfg)}; NOT isolated)")
+        said = await _users(cfg)
+        return Choice("process", f"process backend (as configured; {said}; NOT isolated)")
     version = await asyncio.to_thread(docker_engine.probe, cfg.docker.docker_host, PROBE_TIMEOUT_S)
     if version is None:
         where = cfg.docker.docker_host or "the default socket"
-        return _fallback(cfg, f"no Docker engine answers at {where}")
+        return await _fallback(cfg, f"no Docker engine answers at {where}")
     try:
         present, built = await _ensure_image(cfg, build_image)
     except DockerFailure as exc:
-        return _fallback(cfg, f"image {cfg.docker.image} unavailable: {exc.detail}")
+        return await _fallback(cfg, f"image {cfg.docker.image} unavailable: {exc.detail}")
     if not present:
-        return _fallback(cfg, _missing_image(cfg))
+        return await _fallback(cfg, _missing_image(cfg))
     mode = f"exec via {cfg.docker.exec_mode}"
     return Choice(
         "docker", f"docker backend (engine {version}, image {cfg.docker.image}, {mode}{built})"

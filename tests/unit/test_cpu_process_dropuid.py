@@ -1,7 +1,9 @@
 """``tangram-dropuid``, the launcher that gives up root before a trajectory's action
 (``process.dropuid``): built once into a directory only root may change, rebuilt when its file
 could have been changed by anyone else, refused in a directory others may write (setpriv is
-used then), and it leaves nothing of root behind."""
+used then); it leaves nothing of root behind, never runs the program when it cannot drop root
+or is misused, and the loader variables an action sets act only once root is gone, through it
+or through setpriv (``users.as_uid``)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,55 +20,73 @@ from services.cpu_manager.process import dropuid, users
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping root needs root")
 UID = users.UID_BASE + 123
+SYSTEM = {"PATH": dropuid.SYSTEM_PATH}
+RAN = ("sh", "-c", "echo RAN")
 
 
-def run(helper: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
-    env = {"PATH": "/usr/bin:/bin"}
-    return subprocess.run([str(helper), *args], capture_output=True, env=env, timeout=30)
+def run(
+    argv: tuple[str, ...], env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(argv, capture_output=True, env=env or SYSTEM, timeout=30)
 
 
-def test_built_once_and_leaves_nothing_of_root(tmp_path: Path) -> None:
-    helper, why = dropuid.launcher(tmp_path / "bin")
-    assert helper is not None, why
+@pytest.fixture
+def helper(tmp_path: Path) -> Path:
+    built, why = dropuid.launcher(tmp_path / "bin")
+    assert built is not None, why
+    return built
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory every uid may reach and write (pytest's own temp dirs are closed)."""
+    base = Path(tempfile.mkdtemp(prefix="tgd-", dir="/tmp"))
+    os.chmod(base, 0o777)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_built_once_and_leaves_nothing_of_root(tmp_path: Path, helper: Path) -> None:
     assert dropuid.trusted(helper)
     built_at = helper.stat().st_mtime_ns
     assert dropuid.launcher(tmp_path / "bin") == (helper, "")
     assert helper.stat().st_mtime_ns == built_at  # found, not built again
 
-    said = run(
-        helper, str(UID), str(UID), "sh", "-c", "id -u; id -G; grep NoNewPrivs /proc/self/status"
-    )
+    status = "id -u; id -G; grep -E '^(NoNewPrivs|CapPrm|CapEff|CapAmb):' /proc/self/status"
+    said = run((str(helper), str(UID), str(UID), "--", "sh", "-c", status))
     assert said.returncode == 0, said.stderr
-    uid, groups, no_new_privs = said.stdout.decode().splitlines()
+    uid, groups, *fields = said.stdout.decode().splitlines()
     assert (int(uid), groups) == (UID, str(UID))  # its own group alone: none of root's
-    assert no_new_privs.split() == ["NoNewPrivs:", "1"]  # su, sudo: no way back to root
+    got = dict(line.split(":") for line in fields)
+    assert {k: v.strip() for k, v in got.items()} == {
+        "NoNewPrivs": "1",  # su, sudo: no way back to root
+        "CapPrm": "0000000000000000",
+        "CapEff": "0000000000000000",
+        "CapAmb": "0000000000000000",
+    }
 
 
-def test_a_file_others_could_change_is_built_again(tmp_path: Path) -> None:
-    helper, _ = dropuid.launcher(tmp_path / "bin")
-    assert helper is not None
+def test_a_file_others_could_change_is_built_again(tmp_path: Path, helper: Path) -> None:
     helper.write_bytes(b"#!/bin/sh\necho owned\n")
     os.chmod(helper, 0o777)
     assert not dropuid.trusted(helper)
     again, why = dropuid.launcher(tmp_path / "bin")
     assert again == helper, why
     assert dropuid.trusted(helper)
-    assert run(helper, str(UID), str(UID), "id", "-u").stdout.strip() == str(UID).encode()
+    assert run((str(helper), str(UID), str(UID), "--", "id", "-u")).stdout.strip() == b"%d" % UID
 
 
-def test_a_directory_others_may_write_is_refused(tmp_path: Path) -> None:
-    open_dir = tmp_path / "bin"
-    open_dir.mkdir()
-    os.chmod(open_dir, 0o777)
-    helper, why = dropuid.launcher(open_dir)
+def test_a_directory_others_may_write_is_refused(tmp_path: Path, open_dir: Path) -> None:
+    writable = tmp_path / "bin"
+    writable.mkdir()
+    os.chmod(writable, 0o777)
+    helper, why = dropuid.launcher(writable)
     assert helper is None
     assert "may be changed by users other than root" in why
-    base = Path(tempfile.mkdtemp(prefix="tgd-", dir="/tmp"))  # pytest's dirs are closed
-    os.chmod(base, 0o711)
-    try:
-        said = users.run_as(base / "envs", bin_dir=open_dir)
-    finally:
-        shutil.rmtree(base)
+    os.chmod(open_dir, 0o711)
+    said = users.run_as(open_dir / "envs", bin_dir=writable)
     if users.SETPRIV is None:
         assert not said.per_trajectory
         assert "no setpriv" in said.why
@@ -75,13 +96,81 @@ def test_a_directory_others_may_write_is_refused(tmp_path: Path) -> None:
         assert "(setpriv: no tangram-dropuid: " in said.line()
 
 
-def test_bad_ids_and_missing_programs_fail_as_a_shell_would(tmp_path: Path) -> None:
-    helper, why = dropuid.launcher(tmp_path / "bin")
-    assert helper is not None, why
-    for args in (("-1", "5", "true"), ("x", "5", "true"), ("5", "4294967296", "true"), ("5",)):
-        said = run(helper, *args)
-        assert said.returncode == 127, args
-        assert said.stderr.startswith(b"tangram-dropuid: ") or b"usage" in said.stderr
-    missing = run(helper, str(UID), str(UID), "no-such-program-d7")
+@pytest.mark.parametrize(
+    "head",
+    [
+        ("0", "5", "--"),  # root
+        ("5", "0", "--"),
+        ("4294967295", "5", "--"),  # (uid_t)-1: "unchanged" to setresuid
+        ("5", "4294967295", "--"),
+        ("4294967296", "5", "--"),
+        ("-1", "5", "--"),
+        ("+5", "5", "--"),
+        (" 5", "5", "--"),
+        ("x", "5", "--"),
+        ("", "5", "--"),
+        ("5", "5"),  # no "--"
+        ("5", "5", "NOEQUALS", "--"),
+        ("5", "5", "=x", "--"),
+    ],
+)
+def test_misuse_never_runs_the_program(helper: Path, head: tuple[str, ...]) -> None:
+    said = run((str(helper), *head, *RAN))
+    assert said.returncode == 125, said
+    assert b"RAN" not in said.stdout
+    assert said.stderr.startswith((b"tangram-dropuid: ", b"usage: tangram-dropuid"))
+
+
+@pytest.mark.skipif(users.SETPRIV is None, reason="setpriv runs it without root")
+def test_a_launcher_that_cannot_drop_root_never_runs_the_program(helper: Path) -> None:
+    assert users.SETPRIV is not None
+    nobody = (users.SETPRIV, "--reuid=65534", "--regid=65534", "--clear-groups", "--")
+    said = run((*nobody, str(helper), str(UID), str(UID), "--", *RAN))
+    assert said.returncode == 125
+    assert b"RAN" not in said.stdout
+    assert b"cannot become" in said.stderr
+
+
+def test_a_missing_program_is_127(helper: Path) -> None:
+    missing = run((str(helper), str(UID), str(UID), "--", "no-such-program-d7"))
     assert missing.returncode == 127
     assert b"no-such-program-d7: No such file or directory" in missing.stderr
+
+
+def _preload(open_dir: Path) -> Path:
+    """A library whose constructor notes the euid of every process that loads it."""
+    source = open_dir / "note.c"
+    source.write_text(
+        "#include <stdio.h>\n#include <stdlib.h>\n#include <unistd.h>\n"
+        "__attribute__((constructor)) static void note(void) {\n"
+        '  FILE *f = fopen(getenv("NOTE"), "a");\n'
+        '  if (f) { fprintf(f, "%d\\n", (int)geteuid()); fclose(f); }\n}\n'
+    )
+    lib = open_dir / "note.so"
+    cc = shutil.which("cc", path=dropuid.SYSTEM_PATH)
+    assert cc is not None
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(source)], check=True)
+    os.chmod(lib, 0o755)
+    return lib
+
+
+@pytest.mark.parametrize("through", ["tangram-dropuid", "setpriv"])
+def test_loader_variables_act_only_once_root_is_gone(
+    helper: Path, open_dir: Path, through: str
+) -> None:
+    """An action's LD_PRELOAD (a file of its own) would run its code as root in a dynamic
+    launcher started as root: it reaches the action, never the launcher."""
+    if through == "setpriv" and users.SETPRIV is None:
+        pytest.skip("no setpriv")
+    launcher = str(helper) if through == "tangram-dropuid" else str(users.SETPRIV)
+    lib, note = _preload(open_dir), open_dir / "note"
+    env = {"PATH": "/usr/bin:/bin", "LD_PRELOAD": str(lib), "NOTE": str(note), "KEEP": "k"}
+    argv, outer = users.as_uid(UID, ("sh", "-c", "echo $KEEP"), env, open_dir, launcher)
+    assert "LD_PRELOAD" not in outer
+    assert outer["KEEP"] == "k"
+    said = run(argv, outer)
+    assert said.returncode == 0, said.stderr
+    assert said.stdout == b"k\n"
+    seen = note.read_text().split()
+    assert seen  # it did reach the action (sh, and echo's process if any)
+    assert set(seen) == {str(UID)}  # and loaded in no process running as root

@@ -160,3 +160,17 @@ async def test_a_new_incarnation_kills_what_the_last_one_left_under_its_uids(
         await eventually(lambda: not running(), what="the escaped sleep to be killed")
     finally:
         await second.close()
+
+
+@as_root
+@pytest.mark.skipif(users.SETPRIV is None, reason="no setpriv")
+async def test_the_setpriv_fallback_runs_an_action_as_its_uid(backend: ProcessBackend) -> None:
+    """Where tangram-dropuid cannot be built, setpriv drops root the same way."""
+    assert users.SETPRIV is not None
+    backend.run_as = users.RunAs(True, "no tangram-dropuid: test", launcher=users.SETPRIV)
+    out = await run(backend, "tf", "id -u; id -G; grep NoNewPrivs /proc/self/status")
+    assert out.exit_code == 0, out.stderr
+    uid, groups, no_new_privs = out.stdout.decode().splitlines()
+    assert int(uid) >= users.UID_BASE
+    assert groups == uid
+    assert no_new_privs.split() == ["NoNewPrivs:", "1"]

@@ -23,7 +23,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from functools import partial
@@ -279,9 +279,9 @@ class ProcessBackend:
         if doomed is not None:
             raise _Doomed(doomed)
         env = self._environ(req, workdir)
-        path = env.get("PATH", os.defpath)  # where the program is looked up, as exec would
-        launcher = self.run_as.launcher
-        argv = req.argv if uid is None else users.as_uid(uid, req.argv, path, workdir, launcher)
+        argv: Sequence[str] = req.argv
+        if uid is not None:
+            argv, env = users.as_uid(uid, req.argv, env, workdir, self.run_as.launcher)
         os.sched_setaffinity(0, req.cores)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()

@@ -5,10 +5,13 @@ root first (no supplementary groups, the trajectory's gid and uid, ``no_new_priv
 execs the action. util-linux's ``setpriv`` does exactly that, but its own start-up costs about
 1.2 ms of CPU per action on this kind of machine, twice a ``true``'s whole exec
 (``python -m bench.auth_cost``). ``dropuid.c`` does the same four steps in a static binary that
-starts in about 0.4 ms. It is built here from that source with the machine's C compiler, once
-per boot (``/run`` is a tmpfs), into a root-owned directory nobody else may write: root execs
-it for every action, so a file anyone else could replace would hand them root. Without a
-compiler, or where that directory is not root's alone, the backend uses ``setpriv``.
+starts in about 0.4 ms. It is built here from that source with the machine's C compiler (from
+/usr/bin or /bin only), once per boot (``/run`` is a tmpfs), into a root-owned directory
+nobody else may write: root execs it for every action, so a file anyone else could replace
+would hand them root. Static only: a dynamic build would run the dynamic loader as root, which
+honours the action's LD_PRELOAD (the backend also keeps such variables out of the launcher's
+environment, see ``users.as_uid``). Without a compiler or a static C library, or where that
+directory is not root's alone, the backend uses ``setpriv``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import secrets
 import shutil
 import stat
 import subprocess
@@ -27,6 +31,7 @@ log = logging.getLogger(__name__)
 SOURCE: Final = Path(__file__).with_name("dropuid.c")
 BIN_DIR: Final = Path("/run/tangram/bin")  # beside the uid slots: root's own
 BUILD_TIMEOUT_S: Final = 60.0
+SYSTEM_PATH: Final = "/usr/bin:/bin"  # root's own programs: never a user's cc from $PATH
 
 
 def launcher(bin_dir: Path = BIN_DIR) -> tuple[Path | None, str]:
@@ -65,14 +70,15 @@ def trusted(path: Path) -> bool:
 
 
 def _make_private_dir(path: Path) -> str:
-    """Create ``path`` (and its parents) root's own; "" when it and every ancestor up to / are
-    directories only root may change, else why not."""
-    try:
-        path.mkdir(mode=0o755, parents=True, exist_ok=True)
-    except OSError as exc:
-        return f"cannot create {path}: {exc}"
-    for p in (path, *path.parents):
-        st = p.lstat()
+    """Create ``path`` root's own, a level at a time from /, each level checked before the
+    next is made in it; "" when it and every ancestor are directories only root may change,
+    else why not."""
+    for p in (*reversed(path.parents), path):
+        try:
+            p.mkdir(mode=0o755, exist_ok=True)
+            st = p.lstat()
+        except OSError as exc:
+            return f"cannot create {p}: {exc}"
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0:
             return f"{p} is not a directory of root's"
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
@@ -81,30 +87,32 @@ def _make_private_dir(path: Path) -> str:
 
 
 def _build(target: Path) -> str:
-    """Compile the source into ``target`` (static where the C library allows, else dynamic);
-    "" once built, else why not. Written aside and renamed: agents building at once each
-    publish a whole file."""
-    cc = shutil.which("cc") or shutil.which("gcc")
+    """Compile the source statically into ``target``; "" once built, else why not. Written
+    aside (a name no other agent picks) and renamed: agents building at once each publish a
+    whole file."""
+    cc = shutil.which("cc", path=SYSTEM_PATH) or shutil.which("gcc", path=SYSTEM_PATH)
     if cc is None:
-        return "no C compiler (cc) to build it"
-    tmp = target.with_name(f".{target.name}.{os.getpid()}")
-    said = ""
+        return f"no C compiler (cc) in {SYSTEM_PATH} to build it"
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    argv = [cc, "-O2", "-static", "-o", str(tmp), str(SOURCE)]
     try:
-        for flags in (("-static",), ()):
-            argv = [cc, "-O2", *flags, "-o", str(tmp), str(SOURCE)]
-            try:
-                done = subprocess.run(argv, capture_output=True, timeout=BUILD_TIMEOUT_S)
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                return f"{cc} failed: {exc}"
-            if done.returncode == 0:
-                os.chmod(tmp, 0o755)
-                os.replace(tmp, target)
-                log.info("built %s%s", target, " (static)" if flags else "")
-                return ""
+        try:
+            done = subprocess.run(
+                argv, capture_output=True, timeout=BUILD_TIMEOUT_S, env={"PATH": SYSTEM_PATH}
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"{cc} failed: {exc}"
+        if done.returncode != 0:
             said = " ".join(done.stderr.decode(errors="replace").strip().splitlines()[-1:])
-        return f"{cc} could not build it: {said}"
+            return f"{cc} could not build it statically: {said}"
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)
+    except OSError as exc:
+        return f"cannot install {target}: {exc}"
     finally:
         tmp.unlink(missing_ok=True)
+    log.info("built %s", target)
+    return ""
 
 
 def _self_test(target: Path) -> str:
@@ -112,10 +120,10 @@ def _self_test(target: Path) -> str:
     nobody = "65534"
     try:
         done = subprocess.run(
-            [str(target), nobody, nobody, "id", "-u"],
+            [str(target), nobody, nobody, "--", "id", "-u"],
             capture_output=True,
             timeout=BUILD_TIMEOUT_S,
-            env={"PATH": "/usr/bin:/bin"},
+            env={"PATH": SYSTEM_PATH},
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"{target} did not run: {exc}"

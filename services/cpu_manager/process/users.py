@@ -23,7 +23,7 @@ import os
 import shutil
 import stat
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final
@@ -38,6 +38,33 @@ SLOTS: Final = 4096
 SLOT_DIR: Final = Path("/run/tangram/uid-slots")  # root's own: nobody else can hold a slot
 log = logging.getLogger(__name__)
 SETPRIV: Final = shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin")  # util-linux
+ENV: Final = shutil.which("env", path="/usr/bin:/bin")  # coreutils
+# What glibc drops from a setuid program's environment (sysdeps/generic/unsecvars.h) besides
+# LD_*: honoured by a root process that is not setuid, as the launcher is until it drops root.
+ROOT_UNSAFE: Final = frozenset(
+    {
+        "GCONV_PATH",
+        "GETCONF_DIR",
+        "GLIBC_TUNABLES",
+        "HOSTALIASES",
+        "LOCALDOMAIN",
+        "LOCPATH",
+        "MALLOC_ARENA_MAX",
+        "MALLOC_ARENA_TEST",
+        "MALLOC_MMAP_MAX_",
+        "MALLOC_MMAP_THRESHOLD_",
+        "MALLOC_PERTURB_",
+        "MALLOC_TOP_PAD_",
+        "MALLOC_TRACE",
+        "MALLOC_TRIM_THRESHOLD_",
+        "NIS_PATH",
+        "NLSPATH",
+        "RESOLV_HOST_CONF",
+        "RES_OPTIONS",
+        "TMPDIR",
+        "TZDIR",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,22 +168,41 @@ class SlotClaim:
             self._file = None
 
 
-def as_uid(uid: int, argv: Sequence[str], path: str, cwd: Path, launcher: str) -> tuple[str, ...]:
-    """``argv`` to run as ``uid`` (the same gid, no supplementary groups, no gain through
-    setuid programs), through ``launcher`` (``tangram-dropuid`` or setpriv, see ``run_as``).
+def as_uid(
+    uid: int, argv: Sequence[str], env: Mapping[str, str], cwd: Path, launcher: str
+) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The argv and environment that run ``argv`` with ``env`` as ``uid`` (the same gid, no
+    supplementary groups, no gain through setuid programs), through ``launcher``
+    (``tangram-dropuid`` or setpriv, see ``run_as``).
 
-    Why not ``Popen(user=...)``: CPython then forks the whole agent instead of vfork-ing, which
-    cost ~5 ms more CPU per action (bench/auth_cost.py). A program that does not exist is
-    named here, as a failed exec would name it (the launcher would only say it failed)."""
+    The launcher starts as root, and the C library honours variables such as LD_PRELOAD in a
+    process that is root without being setuid: an action setting them would run its code as
+    root. So those (glibc's list for setuid programs, and every LD_*) are kept out of the
+    launcher's environment and handed to it as NAME=VALUE arguments, set once root is gone
+    (through env(1) after setpriv). Why not ``Popen(user=...)``: CPython then forks the whole
+    agent instead of vfork-ing, which cost ~5 ms more CPU per action (bench/auth_cost.py). A
+    program that does not exist is named here, as a failed exec would name it (the launcher
+    would only say it failed)."""
     assert launcher, "run_as() said per-trajectory uids are possible"
+    assert uid > 0, "never run an action as root"
     program = argv[0]
+    path = env.get("PATH", os.defpath)  # where the program is looked up, as exec would
     found = cwd / program if "/" in program else shutil.which(program, path=path)
     if found is None or not os.path.exists(found):
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+    held = [f"{k}={v}" for k, v in env.items() if _for_root_unsafe(k)]
+    safe = {k: v for k, v in env.items() if not _for_root_unsafe(k)}
     if launcher != SETPRIV:
-        return (launcher, str(uid), str(uid), *argv)
+        return (launcher, str(uid), str(uid), *held, "--", *argv), safe
+    if held and ENV is None:
+        raise FileNotFoundError(errno.ENOENT, "env (coreutils) sets them after setpriv", "env")
+    then = (ENV, *held) if held and ENV is not None else ()
     drop = (f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--")
-    return (SETPRIV, *drop, *argv)
+    return (SETPRIV, *drop, *then, *argv), safe
+
+
+def _for_root_unsafe(name: str) -> bool:
+    return name in ROOT_UNSAFE or name.startswith("LD_")
 
 
 def kill_uids(first: int, count: int = 1) -> None:
