@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,14 +36,10 @@ def helper(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def open_dir() -> Iterator[Path]:
+def open_dir(open_state: Path) -> Path:
     """A directory every uid may reach and write (pytest's own temp dirs are closed)."""
-    base = Path(tempfile.mkdtemp(prefix="tgd-", dir="/tmp"))
-    os.chmod(base, 0o777)
-    try:
-        yield base
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    os.chmod(open_state, 0o777)
+    return open_state
 
 
 def test_built_once_and_leaves_nothing_of_root(tmp_path: Path, helper: Path) -> None:
