@@ -17,6 +17,8 @@ from services.cpu_manager.process import users
 from services.cpu_manager.process.backend import ProcessBackend, ProcessConfig
 from tests.support import eventually
 
+from .test_cpu_process_dropuid import _preload
+
 CORES = tuple(sorted(os.sched_getaffinity(0)))[:1]
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
 
@@ -174,3 +176,18 @@ async def test_the_setpriv_fallback_runs_an_action_as_its_uid(backend: ProcessBa
     assert int(uid) >= users.UID_BASE
     assert groups == uid
     assert no_new_privs.split() == ["NoNewPrivs:", "1"]
+
+
+@as_root
+async def test_an_actions_ld_preload_never_runs_as_root(
+    backend: ProcessBackend, open_state: Path
+) -> None:
+    """The backend hands the launcher the action's loader variables as arguments, never in
+    its own environment: a library of the action's loads in its uid's processes alone."""
+    os.chmod(open_state, 0o777)
+    lib, note = _preload(open_state), open_state / "note"
+    env = {"LD_PRELOAD": str(lib), "NOTE": str(note)}
+    out = await backend.run(ExecRequest("tp-pre", "tp", ("true",), CORES, 10, 4096, env=env))
+    assert out.exit_code == 0, out.stderr
+    uid = (await run(backend, "tp", "id -u")).stdout.decode().strip()
+    assert note.read_text().split() == [uid]  # loaded once: in the action, as its uid
