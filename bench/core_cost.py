@@ -38,7 +38,13 @@ MIN_CYCLES, MAX_CYCLES, BUDGET_S, ROUNDS = 10, 3_000, 0.5, 3
 
 def _report(node: str) -> NodeReport:
     numa = (NumaCores(numa_node=0, cores=tuple(range(CORES))),)
-    inv = Inventory(numa=numa, memory_mb=64_000, backend="process", isolates=False)
+    inv = Inventory(  # as the process backend reports itself: idle environments hold nothing
+        numa=numa,
+        memory_mb=64_000,
+        backend="process",
+        isolates=False,
+        idle_envs_hold_memory=False,
+    )
     return NodeReport(node_id=node, incarnation="i0", inventory=inv, running=(), full=True)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from services.scheduler.core.books import EnvPlacement
 from services.scheduler.core.effects import DropEnvOnNode, EnvChanged, Finish, StartOnNode
 from services.scheduler.core.scheduler import CoreConfig, SchedulerCore
-from tangram.contract import ActionResult, ErrorKind
+from tangram.contract import ActionResult, ErrorKind, RunningAction
 
 from .core_kit import action, done, report
 
@@ -166,6 +166,13 @@ def test_a_restarted_scheduler_books_only_the_running_environments_of_such_a_nod
     for t in ("idle", "busy"):
         core.restore_env(EnvPlacement(t, "j", "n0", "i0", 400))
     core.restore_running(action("r", "busy", mem=400), "n0", "i0", (0,), 0.0)
-    core.node_report(report("n0", cores=2, mem=1000, idle_envs_hold_memory=False), 0.0)
+    r = RunningAction(action_id="r", attempt=0, trajectory_id="busy", cores=(0,))
+    core.node_report(
+        report("n0", cores=2, mem=1000, running=(r,), idle_envs_hold_memory=False), 0.0
+    )
+    assert "r" in core.running
     assert core.nodes["n0"].reserved_mb == 400  # "busy" alone
     assert core.envs["idle"].on_disk
+    core.node_report(report("n0", cores=2, mem=1000, idle_envs_hold_memory=False), 1.0)
+    assert "r" not in core.running  # ended (node_died: lost track of it): nothing booked
+    assert core.nodes["n0"].reserved_mb == 0

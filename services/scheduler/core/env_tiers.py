@@ -15,7 +15,7 @@ does not place there (ended meanwhile) is told to drop it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from services.scheduler.core.books import Dispatched, EnvPlacement, Node
 from services.scheduler.core.effects import DropEnvOnNode, EnvChanged
@@ -75,8 +75,8 @@ def _tier(env: EnvPlacement, node: Node, on_disk: bool) -> None:
     node.reserved_mb += -env.memory_mb if on_disk else env.memory_mb
 
 
-def idled(env: EnvPlacement | None, node: Node, running: Mapping[str, Dispatched]) -> None:
-    """An action of ``env`` ended (no longer in ``running``). On a node whose idle
+def idled(env: EnvPlacement | None, node: Node, runs: Iterable[Dispatched]) -> None:
+    """An action of ``env`` ended (no longer among ``runs``). On a node whose idle
     environments hold no memory (``Inventory.idle_envs_hold_memory``: the process backend's
     is a directory), it is unbooked as if on disk unless another action of its trajectory runs
     there; its next action books it again (:func:`booked`). Booked while idle, a burst of new
@@ -91,7 +91,7 @@ def idled(env: EnvPlacement | None, node: Node, running: Mapping[str, Dispatched
     ):
         return
     tid = env.trajectory_id
-    if not any(r.action.spec.trajectory_id == tid for r in running.values()):
+    if not any(r.node_id == node.node_id and r.action.spec.trajectory_id == tid for r in runs):
         _tier(env, node, True)
 
 

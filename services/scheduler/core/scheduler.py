@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Annotated
 
 import msgspec
@@ -104,6 +105,7 @@ class _Pass:
     unplaced_blocked: bool = False
     follow: list[str] = field(default_factory=list)  # queued actions of trajectories placed
     recheck: list[str] = field(default_factory=list)  # checked against a placement of this pass
+    restoring: set[str] = field(default_factory=set)  # envs on disk counted in placed_mb
 
 
 class SchedulerCore:
@@ -263,7 +265,11 @@ class SchedulerCore:
     def _drop_stale(self, node: Node, now: float) -> list[Effect]:
         """Books restored from Postgres for this node: keep the current incarnation's only."""
         effects: list[Effect] = []
-        busy = {r.action.spec.trajectory_id for r in self.running.values()}
+        busy = {
+            r.action.spec.trajectory_id
+            for r in self.running.values()
+            if r.node_id == node.node_id and r.incarnation == node.incarnation
+        }
         for env in [e for e in self.envs.values() if e.node_id == node.node_id]:
             if env.incarnation == node.incarnation:
                 if node.idle_envs_hold_memory or env.trajectory_id in busy:
@@ -313,7 +319,7 @@ class SchedulerCore:
                 continue
             if run.confirmed:  # it ran there and vanished without a completion
                 del self.running[aid]
-                self._give_back(node, run)
+                self._free(run)
                 effects += self._finish(run.action, self._died(run, now, "lost track of it"))
             else:
                 verdict_ = unlisted.judge(report, run, now, self.epoch, self.cfg.dispatch_grace_s)
@@ -350,13 +356,16 @@ class SchedulerCore:
         action = msgspec.structs.replace(action, attempt=attempt)
         node.free -= set(cores)
         self.running[aid] = Dispatched(action, node.node_id, node.incarnation, cores, now, True)
+        env = self.envs.get(action.spec.trajectory_id)
+        if env is not None and env.node_id == node.node_id:
+            env_tiers.booked(env, node)
         return []
 
     def _redo(self, aid: str, node: Node, now: float) -> list[Effect]:
         """The node never got this dispatch: it never started, so running it again is safe
         (unless it was cancelled meanwhile: then it ends now)."""
         run = self.running.pop(aid)
-        self._give_back(node, run)
+        self._free(run)
         if run.kill_by is not None:
             cancelled = verdict(
                 run.action, ErrorKind.CANCELLED, "cancelled before it started", now=now
@@ -517,7 +526,8 @@ class SchedulerCore:
         node = self.nodes.get(run.node_id)
         if node is not None and node.incarnation == run.incarnation:
             self._give_back(node, run)
-            env_tiers.idled(self.envs.get(run.action.spec.trajectory_id), node, self.running)
+            live = chain(self.running.values(), self.killed.values())
+            env_tiers.idled(self.envs.get(run.action.spec.trajectory_id), node, live)
 
     def _give_back(self, node: Node, run: Dispatched) -> None:
         """Free an ended run's units (a GPU chunk only when no other call shares it). A core
@@ -770,12 +780,14 @@ class SchedulerCore:
         node has that memory free (reclaiming idle environments there if that is what stops
         it); else the action waits, saying why. Booked in the pass when it fits."""
         node_id = env.node_id
+        if env.trajectory_id in p.restoring:
+            return True, []  # counted once in this pass, however many of its actions wait
         reclaimed: list[Effect] = []
-        if self._free_mb(p).get(node_id, 0) < env.memory_mb:
+        node = self.nodes[node_id]
+        kept = node.idle_envs_hold_memory
+        if kept and self._free_on(node, p) < env.memory_mb:
             reclaimed = self._reclaim_memory(env.memory_mb, p, only=node_id)
-        if self._free_mb(p).get(node_id, 0) < env.memory_mb:
-            node = self.nodes.get(node_id)
-            kept = node is None or node.idle_envs_hold_memory
+        if self._free_on(node, p) < env.memory_mb:
             self.waits[act.spec.action_id] = (
                 f"its environment is on disk and node {node_id} has not the "
                 f"{env.memory_mb} MB to restore it"
@@ -785,8 +797,16 @@ class SchedulerCore:
             )
             return False, reclaimed
         self.waits.pop(act.spec.action_id, None)
+        p.restoring.add(env.trajectory_id)
         p.placed_mb[node_id] = p.placed_mb.get(node_id, 0) + env.memory_mb
         return True, reclaimed
+
+    @staticmethod
+    def _free_on(node: Node, p: _Pass) -> int:
+        """One node's memory not booked, this pass's placements included (see _free_mb)."""
+        if node.draining or node.gpu is not None:
+            return 0
+        return node.memory_mb - node.reserved_mb - p.placed_mb.get(node.node_id, 0)
 
     def _report_lost(self, act: UnifiedAction, now: float) -> list[Effect]:
         """The trajectory's first action after its environment was lost says so, once; the
@@ -1017,12 +1037,16 @@ class SchedulerCore:
         """Make room for an environment of ``need_mb`` by ending the oldest idle ones (no
         action queued or running) on one node (``only``, if given), until that node has the
         memory; their trajectories' next action says ``environment_lost`` once."""
-        busy = {r.action.spec.trajectory_id for r in self.running.values()}
+        live = chain(self.running.values(), self.killed.values())
+        busy = {r.action.spec.trajectory_id for r in live}
         queued = self.pending.by_tid
         idle = [
             e
             for e in self.envs.values()
-            if e.trajectory_id not in busy and e.trajectory_id not in queued and not e.on_disk
+            if e.trajectory_id not in busy
+            and e.trajectory_id not in queued
+            and not e.on_disk
+            and self._holds_idle(e.node_id)
         ]
         free = self._free_mb(p)
         if only is not None:
@@ -1038,6 +1062,12 @@ class SchedulerCore:
                 ),
             )
         ]
+
+    def _holds_idle(self, node_id: str) -> bool:
+        """Ending an idle environment of this node frees memory (not so on the process
+        backend, whose environment is a directory: it is never reclaimed)."""
+        node = self.nodes.get(node_id)
+        return node is None or node.idle_envs_hold_memory
 
     def _free_mb(self, p: _Pass) -> dict[str, int]:
         """Memory not booked on each usable node, this pass's placements included."""
