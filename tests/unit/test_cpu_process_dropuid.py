@@ -168,3 +168,16 @@ def test_loader_variables_act_only_once_root_is_gone(
     seen = note.read_text().split()
     assert seen  # it did reach the action (sh, and echo's process if any)
     assert set(seen) == {str(UID)}  # and loaded in no process running as root
+
+
+@pytest.mark.skipif(users.SETPRIV is None, reason="no setpriv")
+def test_env_after_setpriv_refuses_a_program_it_would_take_for_a_variable(open_dir: Path) -> None:
+    assert users.SETPRIV is not None
+    odd = open_dir / "a=b"
+    odd.write_text("#!/bin/sh\necho RAN\n")
+    os.chmod(odd, 0o755)
+    env = {"PATH": "/usr/bin:/bin", "LD_PRELOAD": "x.so"}
+    with pytest.raises(OSError, match="name holds '='"):
+        users.as_uid(UID, ("./a=b",), env, open_dir, users.SETPRIV)
+    argv, _ = users.as_uid(UID, ("./a=b",), {"PATH": "/usr/bin:/bin"}, open_dir, users.SETPRIV)
+    assert argv[-1] == "./a=b"  # no loader variables: no env(1), nothing to mistake

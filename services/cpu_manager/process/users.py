@@ -197,6 +197,8 @@ def as_uid(
     if held and ENV is None:
         raise FileNotFoundError(errno.ENOENT, "env (coreutils) sets them after setpriv", "env")
     then = (ENV, *held) if held and ENV is not None else ()
+    if then and "=" in argv[0]:  # env(1) would take it for one more variable
+        raise OSError(errno.EINVAL, "cannot follow env(1): the name holds '='", argv[0])
     drop = (f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--")
     return (SETPRIV, *drop, *then, *argv), safe
 
