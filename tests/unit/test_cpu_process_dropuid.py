@@ -128,7 +128,7 @@ def test_a_launcher_that_cannot_drop_root_never_runs_the_program(helper: Path) -
 def test_a_missing_program_is_127(helper: Path) -> None:
     missing = run((str(helper), str(UID), str(UID), "--", "no-such-program-d7"))
     assert missing.returncode == 127
-    assert b"no-such-program-d7: No such file or directory" in missing.stderr
+    assert missing.stderr == b"no-such-program-d7: command not found\n"  # as a shell says
 
 
 def _preload(open_dir: Path) -> Path:
@@ -159,7 +159,7 @@ def test_loader_variables_act_only_once_root_is_gone(
     launcher = str(helper) if through == "tangram-dropuid" else str(users.SETPRIV)
     lib, note = _preload(open_dir), open_dir / "note"
     env = {"PATH": "/usr/bin:/bin", "LD_PRELOAD": str(lib), "NOTE": str(note), "KEEP": "k"}
-    argv, outer = users.as_uid(UID, ("sh", "-c", "echo $KEEP"), env, open_dir, launcher)
+    argv, outer = users.as_uid(UID, ("sh", "-c", "echo $KEEP"), env, launcher)
     assert "LD_PRELOAD" not in outer
     assert outer["KEEP"] == "k"
     said = run(argv, outer)
@@ -173,11 +173,8 @@ def test_loader_variables_act_only_once_root_is_gone(
 @pytest.mark.skipif(users.SETPRIV is None, reason="no setpriv")
 def test_env_after_setpriv_refuses_a_program_it_would_take_for_a_variable(open_dir: Path) -> None:
     assert users.SETPRIV is not None
-    odd = open_dir / "a=b"
-    odd.write_text("#!/bin/sh\necho RAN\n")
-    os.chmod(odd, 0o755)
     env = {"PATH": "/usr/bin:/bin", "LD_PRELOAD": "x.so"}
     with pytest.raises(OSError, match="name holds '='"):
-        users.as_uid(UID, ("./a=b",), env, open_dir, users.SETPRIV)
-    argv, _ = users.as_uid(UID, ("./a=b",), {"PATH": "/usr/bin:/bin"}, open_dir, users.SETPRIV)
+        users.as_uid(UID, ("./a=b",), env, users.SETPRIV)
+    argv, _ = users.as_uid(UID, ("./a=b",), {"PATH": "/usr/bin:/bin"}, users.SETPRIV)
     assert argv[-1] == "./a=b"  # no loader variables: no env(1), nothing to mistake

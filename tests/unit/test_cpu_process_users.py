@@ -3,8 +3,12 @@ their own, and no trajectory can read or write another's directory (``process.us
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -191,3 +195,135 @@ async def test_an_actions_ld_preload_never_runs_as_root(
     assert out.exit_code == 0, out.stderr
     uid = (await run(backend, "tp", "id -u")).stdout.decode().strip()
     assert note.read_text().split() == [uid]  # loaded once: in the action, as its uid
+
+
+def _deep(top: Path, depth: int) -> None:
+    """``depth`` nested directories in ``top`` (by fd: no path grows with them)."""
+    fd = os.open(top, os.O_RDONLY)
+    try:
+        for _ in range(depth):
+            os.mkdir("a", dir_fd=fd)
+            inner = os.open("a", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+    finally:
+        os.close(fd)
+
+
+async def test_a_tree_deeper_than_pythons_recursion_goes_at_drop_and_at_restart(
+    open_root: Path,
+) -> None:
+    """shutil.rmtree recurses once a level: such a tree, one mkdir loop in an action, raised
+    RecursionError out of drop_env and out of every later start of the agent."""
+    b = ProcessBackend(ProcessConfig(root=open_root, node_id="n-users", incarnation="deep1"))
+    await b.start()
+    try:
+        for tid in ("tdeep", "tkept"):
+            assert (await run(b, tid, "true")).exit_code == 0
+            _deep(b.workdir(tid), sys.getrecursionlimit() + 100)
+        await b.drop_env("tdeep")
+        assert not b.workdir("tdeep").exists()
+    finally:
+        await b.close()
+    again = ProcessBackend(ProcessConfig(root=open_root, node_id="n-users", incarnation="deep2"))
+    await again.start()  # wipes what the last incarnation left: tkept's tree
+    try:
+        assert os.listdir(open_root) == []
+    finally:
+        await again.close()
+
+
+HOP = """import fcntl, os, sys, time
+held = open(sys.argv[1])  # every generation holds it: free once none lives
+fcntl.flock(held, fcntl.LOCK_EX)
+end = time.time() + 60
+while time.time() < end:
+    time.sleep(0.002)
+    if os.fork():
+        os._exit(0)
+"""
+
+
+def _held(lock: Path) -> bool:
+    with open(lock) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        return False
+
+
+@as_root
+async def test_a_process_that_keeps_changing_pid_is_gone_before_its_uid_comes_back(
+    backend: ProcessBackend, open_state: Path
+) -> None:
+    """A process that forks and lets its parent exit every few ms escapes any scan of the
+    process table (``users.kill_uids``, at drop_env and at start); its uid, handed to a new
+    trajectory (here the very next one: a pool of one uid; after a restart, the first), would
+    give it that trajectory's files. The new holder is first rid of it: kill(-1) as the uid."""
+    assert backend._uids is not None
+    backend._uids = users.UidPool(backend._uids.first, size=1)
+    os.chmod(open_state, 0o777)
+    (open_state / "hop.py").write_text(HOP)
+    lock = open_state / "held"
+    lock.touch(mode=0o644)
+    hop = f"setsid python3 {open_state}/hop.py {lock} </dev/null >/dev/null 2>&1 & id -u"
+    uid = (await run(backend, "th", hop)).stdout.decode().strip()
+    try:
+        await eventually(lambda: _held(lock), what="the hopping process")
+        await backend.drop_env("th")
+        assert (await run(backend, "tv", "id -u")).stdout.decode().strip() == uid
+        await eventually(lambda: not _held(lock), what="the hopping process gone", timeout_s=5)
+    finally:
+        kill = (backend.run_as.launcher, uid, uid, "--", "sh", "-c", "kill -KILL -1")
+        await asyncio.to_thread(subprocess.run, kill, env={"PATH": "/usr/bin:/bin"})
+
+
+@as_root
+async def test_another_trajectorys_files_cannot_be_told_from_missing_ones(
+    backend: ProcessBackend,
+) -> None:
+    """The program is looked up as the action's uid: a lookup as root (it once was) answered
+    126 for a file in another trajectory's closed directory and 127 for a missing one."""
+    home = (await run(backend, "tx", "touch present; chmod 700 present; pwd")).stdout.decode()
+    said = {}
+    for name in ("present", "absent"):
+        for argv, env in (((f"{home.strip()}/{name}",), {}), ((name,), {"PATH": home.strip()})):
+            req = ExecRequest(f"ty-{name}-{len(env)}", "ty", argv, CORES, 10, 4096, env=env)
+            out = await backend.run(req)
+            said[name, len(env)] = (out.exit_code, out.stderr.replace(name.encode(), b"NAME"))
+    assert said["present", 0] == said["absent", 0]
+    assert said["present", 1] == said["absent", 1]
+    assert said["present", 0][0] == 126
+
+
+@as_root
+async def test_an_environment_dropped_under_a_running_action_stays_dropped(
+    backend: ProcessBackend,
+) -> None:
+    """The action's end once listed the environment again (its directory and uid gone)."""
+    running = asyncio.create_task(run(backend, "tz", "echo up; exec sleep 30"))
+    await eventually(lambda: backend._runs, what="the action running")
+    await backend.drop_env("tz")
+    assert (await running).failure is not None
+    assert "tz" not in backend.envs()
+
+
+@as_root
+def test_a_state_dir_under_a_directory_another_user_can_change_means_the_agents_user(
+    open_state: Path,
+) -> None:
+    """Root makes and chowns each trajectory's directory: under a directory someone else can
+    change (swap in a symlink), it would follow their link, so it runs actions as itself."""
+    theirs = open_state / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 60001, 60001)
+    said = users.run_as(theirs / "envs")
+    assert not said.per_trajectory
+    assert f"{theirs} is not a directory of root's" in said.why
+    shared = open_state / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # writable by all, no sticky bit
+    assert "may be changed by users other than root" in users.run_as(shared / "envs").why
+    os.chmod(shared, 0o1777)  # as /tmp: others cannot replace root's entries
+    assert users.run_as(shared / "envs").per_trajectory

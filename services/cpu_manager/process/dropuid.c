@@ -12,7 +12,8 @@
 
    UID and GID are decimal, 1 to 4294967294 (0 is root, 4294967295 means "unchanged" to
    setresuid). Exit 125 when it is misused or cannot drop privileges (the program never
-   runs), 127 when PROGRAM is not found, 126 when it cannot be executed. */
+   runs), 127 when PROGRAM is not found, 126 when it cannot be executed, said as a shell says
+   it ("PROGRAM: command not found"): PROGRAM is looked up here, as UID, never by root. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <grp.h>
@@ -78,6 +79,7 @@ int main(int argc, char **argv) {
         }
     execvp(argv[dash + 1], argv + dash + 1);
     int err = errno;
-    fprintf(stderr, "tangram-dropuid: %s: %s\n", argv[dash + 1], strerror(err));
-    return err == ENOENT ? 127 : 126;
+    int missing = err == ENOENT || err == ENOTDIR;
+    fprintf(stderr, "%s: %s\n", argv[dash + 1], missing ? "command not found" : strerror(err));
+    return missing ? 127 : 126;
 }

@@ -79,10 +79,19 @@ def _make_private_dir(path: Path) -> str:
             st = p.lstat()
         except OSError as exc:
             return f"cannot create {p}: {exc}"
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0:
-            return f"{p} is not a directory of root's"
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-            return f"{p} may be changed by users other than root"
+        unsafe = root_only(p, st)
+        if unsafe:
+            return unsafe
+    return ""
+
+
+def root_only(p: Path, st: os.stat_result) -> str:
+    """ "" when ``p`` (its ``lstat``) is a directory only root may change (others may add
+    entries only where the sticky bit stops them replacing root's), else why not."""
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0:
+        return f"{p} is not a directory of root's"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        return f"{p} may be changed by users other than root"
     return ""
 
 

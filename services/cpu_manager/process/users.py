@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import stat
+import subprocess
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ SLOT_DIR: Final = Path("/run/tangram/uid-slots")  # root's own: nobody else can 
 log = logging.getLogger(__name__)
 SETPRIV: Final = shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin")  # util-linux
 ENV: Final = shutil.which("env", path="/usr/bin:/bin")  # coreutils
+KILL_ALL: Final = "kill -KILL -1 2>/dev/null; :"  # all of the caller's uid's processes but it
 # What glibc drops from a setuid program's environment (sysdeps/generic/unsecvars.h) besides
 # LD_*: honoured by a root process that is not setuid, as the launcher is until it drops root.
 ROOT_UNSAFE: Final = frozenset(
@@ -93,6 +95,9 @@ def run_as(root: Path, *, wanted: bool = True, bin_dir: Path = dropuid.BIN_DIR) 
     closed = _closed_ancestor(root)
     if closed is not None:
         return RunAs(False, f"{closed} is closed to other users; use a state dir outside it")
+    foreign = _foreign_ancestor(root)
+    if foreign:  # root would mkdir/chown through a path someone else can swap out
+        return RunAs(False, f"{foreign}; use a state dir only root can change")
     built, why = dropuid.launcher(bin_dir)
     if built is not None:
         return RunAs(True, launcher=str(built))
@@ -100,6 +105,21 @@ def run_as(root: Path, *, wanted: bool = True, bin_dir: Path = dropuid.BIN_DIR) 
         return RunAs(False, f"no tangram-dropuid ({why}) and no setpriv (util-linux)")
     log.warning("actions drop root through setpriv (~1 ms more CPU each): %s", why)
     return RunAs(True, f"no tangram-dropuid: {why}", launcher=SETPRIV)
+
+
+def _foreign_ancestor(path: Path) -> str:
+    """Why root may not make trajectories' directories under ``path``: an existing directory
+    on the way that someone other than root could change (swap in a symlink that root would
+    then follow into a chown); "" when there is none."""
+    for p in (*reversed(path.resolve().parents), path.resolve()):
+        try:
+            st = p.lstat()
+        except FileNotFoundError:
+            return ""  # the agent creates the rest, as root
+        unsafe = dropuid.root_only(p, st)
+        if unsafe:
+            return unsafe
+    return ""
 
 
 def _closed_ancestor(path: Path) -> Path | None:
@@ -169,7 +189,7 @@ class SlotClaim:
 
 
 def as_uid(
-    uid: int, argv: Sequence[str], env: Mapping[str, str], cwd: Path, launcher: str
+    uid: int, argv: Sequence[str], env: Mapping[str, str], launcher: str
 ) -> tuple[tuple[str, ...], dict[str, str]]:
     """The argv and environment that run ``argv`` with ``env`` as ``uid`` (the same gid, no
     supplementary groups, no gain through setuid programs), through ``launcher``
@@ -180,16 +200,11 @@ def as_uid(
     root. So those (glibc's list for setuid programs, and every LD_*) are kept out of the
     launcher's environment and handed to it as NAME=VALUE arguments, set once root is gone
     (through env(1) after setpriv). Why not ``Popen(user=...)``: CPython then forks the whole
-    agent instead of vfork-ing, which cost ~5 ms more CPU per action (bench/auth_cost.py). A
-    program that does not exist is named here, as a failed exec would name it (the launcher
-    would only say it failed)."""
+    agent instead of vfork-ing, which cost ~5 ms more CPU per action (bench/auth_cost.py). The
+    launcher looks the program up as the uid, never root here: a lookup as root would tell the
+    action which files exist where it may not look (another trajectory's directory)."""
     assert launcher, "run_as() said per-trajectory uids are possible"
     assert uid > 0, "never run an action as root"
-    program = argv[0]
-    path = env.get("PATH", os.defpath)  # where the program is looked up, as exec would
-    found = cwd / program if "/" in program else shutil.which(program, path=path)
-    if found is None or not os.path.exists(found):
-        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
     held = [f"{k}={v}" for k, v in env.items() if _for_root_unsafe(k)]
     safe = {k: v for k, v in env.items() if not _for_root_unsafe(k)}
     if launcher != SETPRIV:
@@ -205,6 +220,16 @@ def as_uid(
 
 def _for_root_unsafe(name: str) -> bool:
     return name in ROOT_UNSAFE or name.startswith("LD_")
+
+
+def kill_uid(uid: int, launcher: str) -> None:
+    """Kill every process of ``uid``, even one that keeps forking to a new pid (a scan of the
+    process table misses it, see ``kill_uids``): kill(-1, SIGKILL) run as that uid, which the
+    kernel applies to all its processes at once (a fork under way fails). Blocking: a launcher
+    and a sh, ~1.2 ms of CPU (a psutil scan of 100 processes costs 3.4)."""
+    argv, env = as_uid(uid, ("sh", "-c", KILL_ALL), {"PATH": dropuid.SYSTEM_PATH}, launcher)
+    quiet = subprocess.DEVNULL
+    subprocess.run(argv, env=env, cwd="/", stdin=quiet, stdout=quiet, stderr=quiet, timeout=30)
 
 
 def kill_uids(first: int, count: int = 1) -> None:
