@@ -327,3 +327,13 @@ def test_a_state_dir_under_a_directory_another_user_can_change_means_the_agents_
     assert "may be changed by users other than root" in users.run_as(shared / "envs").why
     os.chmod(shared, 0o1777)  # as /tmp: others cannot replace root's entries
     assert users.run_as(shared / "envs").per_trajectory
+
+
+async def test_two_first_actions_of_a_trajectory_at_once_both_run(backend: ProcessBackend) -> None:
+    """Its directory is made on the launcher thread: the second action, there before it is,
+    must not take it for vanished."""
+    both = await asyncio.gather(run(backend, "tw", "echo one"), run(backend, "tw", "echo two"))
+    assert [(o.exit_code, o.failure, o.stdout) for o in both] == [
+        (0, None, b"one\n"),
+        (0, None, b"two\n"),
+    ]

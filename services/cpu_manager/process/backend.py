@@ -159,6 +159,7 @@ class ProcessBackend:
         # its process (or its failure) back; milliseconds, unless the launcher is wedged.
         self.starts = Starts()
         self._envs: dict[str, float] = {}
+        self._making: set[str] = set()  # new trajectories whose directory the launcher makes
         self.run_as = users.RunAs(False, "not started")
         self._claim: users.SlotClaim | None = None
         self._uids: users.UidPool | None = None  # None: actions run as this agent's user
@@ -229,7 +230,9 @@ class ProcessBackend:
         workdir = self.workdir(req.trajectory_id)
         uid = self._uids.uid(req.trajectory_id) if self._uids is not None else None
         fresh = req.trajectory_id not in self._envs  # its directory is made before its spawn
-        if not fresh and not workdir.is_dir():
+        if fresh:
+            self._making.add(req.trajectory_id)  # a second action meanwhile: not vanished
+        elif req.trajectory_id not in self._making and not workdir.is_dir():
             return _lost(f"working directory of {req.trajectory_id} vanished")
         self._envs[req.trajectory_id] = time.monotonic()
         loop = asyncio.get_running_loop()
@@ -300,11 +303,14 @@ class ProcessBackend:
         before any other action of the trajectory can start as that uid.
         """
         if fresh:  # even for an action killed meanwhile: the next one finds its directory
-            if uid is not None:
-                users.kill_uid(uid, self.run_as.launcher)
-            workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if uid is not None:
-                users.own_dir(workdir, uid)
+            try:
+                if uid is not None:
+                    users.kill_uid(uid, self.run_as.launcher)
+                workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+                if uid is not None:
+                    users.own_dir(workdir, uid)
+            finally:
+                self._making.discard(req.trajectory_id)
         doomed = self._doomed.pop(req.action_id, None)
         if doomed is not None:
             raise _Doomed(doomed)
