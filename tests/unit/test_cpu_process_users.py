@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 from services.cpu_manager.backend_api import ExecOutcome, ExecRequest
 from services.cpu_manager.process import users
 from services.cpu_manager.process.backend import ProcessBackend, ProcessConfig
+from tangram.contract import ErrorKind
 from tests.support import eventually
 
 from .test_cpu_process_dropuid import _preload
@@ -337,3 +339,26 @@ async def test_two_first_actions_of_a_trajectory_at_once_both_run(backend: Proce
         (0, None, b"one\n"),
         (0, None, b"two\n"),
     ]
+
+
+@as_root
+async def test_an_action_queued_for_the_launcher_when_its_trajectory_is_dropped_never_starts(
+    backend: ProcessBackend, open_state: Path
+) -> None:
+    """Its uid is released by the drop (and may be another trajectory's by the time the
+    launcher thread reaches it): it ends cancelled, with no directory made and nothing run."""
+    os.chmod(open_state, 0o777)
+    wedge = threading.Event()
+    loop = asyncio.get_running_loop()
+    held = loop.run_in_executor(backend._launcher, wedge.wait)  # the launcher thread, busy
+    marker = open_state / "ran"
+    queued = asyncio.create_task(run(backend, "tq", f"touch {marker}"))
+    await eventually(lambda: any(t == "tq" for t in backend._spawning.values()), what="queued")
+    await backend.drop_env("tq")
+    wedge.set()
+    await held
+    out = await queued
+    assert out.failure is ErrorKind.CANCELLED
+    assert not marker.exists()
+    assert not backend.workdir("tq").exists()
+    assert (await run(backend, "tq", "true")).exit_code == 0  # a new life of it runs

@@ -153,8 +153,11 @@ class ProcessBackend:
         # Actions waiting for the launcher thread, and those of them killed meanwhile: a
         # spawn queued behind a wedged launcher (its node fenced, its actions ended
         # node_died) must not run once the launcher frees up.
-        self._spawning: set[str] = set()
+        self._spawning: dict[str, str] = {}  # action -> its trajectory
         self._doomed: dict[str, ErrorKind] = {}
+        # ... and of those, the ones whose trajectory was dropped meanwhile: its uid may be
+        # another's by the time they reach the thread, so nothing of them is done there
+        self._dropped: set[str] = set()
         # Launches for the health detector: from a spawn handed to the launcher thread to
         # its process (or its failure) back; milliseconds, unless the launcher is wedged.
         self.starts = Starts()
@@ -220,6 +223,10 @@ class ProcessBackend:
         for aid, run in list(self._runs.items()):
             if run.trajectory_id == trajectory_id:
                 await self.kill(aid, ErrorKind.CANCELLED)
+        for aid, tid in list(self._spawning.items()):
+            if tid == trajectory_id:
+                self._dropped.add(aid)
+                await self.kill(aid, ErrorKind.CANCELLED)
         self._envs.pop(trajectory_id, None)
         uid = self._uids.release(trajectory_id) if self._uids is not None else None
         if uid is not None:  # its background processes too (again when the uid is handed out)
@@ -237,7 +244,7 @@ class ProcessBackend:
         self._envs[req.trajectory_id] = time.monotonic()
         loop = asyncio.get_running_loop()
         started = time.time()
-        self._spawning.add(req.action_id)
+        self._spawning[req.action_id] = req.trajectory_id
         try:
             with self.starts.begin():
                 proc, out_fd, err_fd = await loop.run_in_executor(
@@ -248,7 +255,8 @@ class ProcessBackend:
         except _Doomed as exc:
             return failed_outcome(exc.reason, "killed before it started", started)
         finally:
-            self._spawning.discard(req.action_id)
+            self._spawning.pop(req.action_id, None)
+            self._dropped.discard(req.action_id)
         run = _Run(proc, req.trajectory_id, out_fd, err_fd)
         run.killed = self._doomed.pop(req.action_id, None)  # killed as it was being spawned
         if run.killed is not None:
@@ -302,6 +310,8 @@ class ProcessBackend:
         left running (a process that kept changing pid escapes every scan): on this thread,
         before any other action of the trajectory can start as that uid.
         """
+        if req.action_id in self._dropped:  # its uid may be another trajectory's by now
+            raise _Doomed(self._doomed.pop(req.action_id, ErrorKind.CANCELLED))
         if fresh:  # even for an action killed meanwhile: the next one finds its directory
             try:
                 if uid is not None:
