@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import json
 import os
+import secrets
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,11 +109,34 @@ def metrics_url(base: str) -> str:
     return f"{base.rstrip('/')}/metrics"
 
 
+# Below the kernel's ephemeral range (Linux's default 32768-60999): a port picked for a server
+# started next must not be handed meanwhile to some connection's local end, as a port the kernel
+# picked from that range can be (seen in CI: a gateway's ops endpoint found its port taken).
+LISTEN_PORTS = range(20_000, 32_768)
+PORT_TRIES = 64
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now (the kernel's pick), for a process started next."""
+    """A port nothing listens on now, for a server started next: one below the ephemeral range
+    when such a port binds (see ``LISTEN_PORTS``), else the kernel's pick."""
+    low = min(_ephemeral_low(), LISTEN_PORTS.stop)
+    for _ in range(PORT_TRIES):
+        port = secrets.randbelow(low - LISTEN_PORTS.start) + LISTEN_PORTS.start
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s, contextlib.suppress(OSError):
+            s.bind((host, port))
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
 
 
 def _replace(path: Path, info: dict[str, object]) -> None:

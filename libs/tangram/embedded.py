@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
+from tangram import discovery
 from tangram.auth import _write_private  # the mesh's one writer of secrets (0600 in 0700)
 from tangram.errors import Unavailable
 
@@ -57,10 +58,8 @@ def die_with_parent() -> None:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that is free right now (see ``discovery.free_port``)."""
+    return discovery.free_port()
 
 
 def wait_port(port: int, timeout_s: float, proc: subprocess.Popen[bytes], log: Path) -> None:

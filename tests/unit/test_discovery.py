@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -126,3 +127,14 @@ def test_help_is_plain_words_and_every_option_is_documented():
         for action in p._actions:
             assert action.help, f"{name} {action.dest} has no help"
     assert "trajectory's own environment" in sub.choices["exec"].format_help()  # type: ignore[index]
+
+
+def test_a_free_port_is_below_the_ephemeral_range_and_binds() -> None:
+    """A port from the kernel's ephemeral range can be given to a connection's local end before
+    the server it was picked for binds it (a gateway's ops endpoint once failed so in CI)."""
+    low = discovery._ephemeral_low()
+    for _ in range(20):
+        port = discovery.free_port()
+        assert discovery.LISTEN_PORTS.start <= port < min(low, discovery.LISTEN_PORTS.stop)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
