@@ -38,7 +38,8 @@ import uvloop
 from bench import meshstats, procstat
 from bench.meshstats import SETTLE_S, PgStats
 from tangram.client import Client
-from tangram.embedded import EmbeddedNats, free_port
+from tangram.discovery import free_port
+from tangram.embedded import EmbeddedNats
 from tangram.errors import TangramError
 from tangram.launcher import Mesh, MeshOptions
 

@@ -119,9 +119,9 @@ PORT_TRIES = 64
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on now, for a server started next: one below the ephemeral range
     when such a port binds (see ``LISTEN_PORTS``), else the kernel's pick."""
-    low = min(_ephemeral_low(), LISTEN_PORTS.stop)
-    for _ in range(PORT_TRIES):
-        port = secrets.randbelow(low - LISTEN_PORTS.start) + LISTEN_PORTS.start
+    below = min(_ephemeral_low(), LISTEN_PORTS.stop) - LISTEN_PORTS.start
+    for _ in range(PORT_TRIES if below > 0 else 0):  # none below a range set that low
+        port = secrets.randbelow(below) + LISTEN_PORTS.start
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s, contextlib.suppress(OSError):
             s.bind((host, port))
             return port

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
-from tangram import discovery
 from tangram.auth import _write_private  # the mesh's one writer of secrets (0600 in 0700)
+from tangram.discovery import free_port
 from tangram.errors import Unavailable
 
 # A directory where a fresh cluster is made once and copied for every new one (a copy takes
@@ -55,11 +55,6 @@ _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: nothing to lo
 def die_with_parent() -> None:
     """preexec_fn: the child gets SIGKILL when the process that started it dies (Linux)."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (see ``discovery.free_port``)."""
-    return discovery.free_port()
 
 
 def wait_port(port: int, timeout_s: float, proc: subprocess.Popen[bytes], log: Path) -> None:

@@ -19,7 +19,8 @@ from nats.aio.msg import Msg
 
 from tangram.bus import MAX_NESTING, BaseBus, Bus
 from tangram.contract import Ack, Done, ErrorReply, GetResult, NodeCommand, Reconcile, codec
-from tangram.embedded import EmbeddedNats, free_port
+from tangram.discovery import free_port
+from tangram.embedded import EmbeddedNats
 from tangram.errors import Busy, NotFound, RemoteError, Unavailable
 from tangram.membus import MemoryBroker, matches
 from tangram.subjects import Endpoint, GatewayAnswer

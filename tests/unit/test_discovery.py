@@ -17,7 +17,7 @@ from services.cpu_manager.config import load_own
 from tangram import discovery
 from tangram.bus import Bus
 from tangram.client import Client, SyncClient
-from tangram.embedded import free_port
+from tangram.discovery import free_port
 from tangram.errors import TangramError, Unavailable
 
 
@@ -138,3 +138,12 @@ def test_a_free_port_is_below_the_ephemeral_range_and_binds() -> None:
         assert discovery.LISTEN_PORTS.start <= port < min(low, discovery.LISTEN_PORTS.stop)
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_a_free_port_when_the_ephemeral_range_starts_low(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing below the range to pick from (a kernel set to start it under 20000): the
+    kernel's pick, not an error."""
+    monkeypatch.setattr(discovery, "_ephemeral_low", lambda: 1024)
+    port = discovery.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))

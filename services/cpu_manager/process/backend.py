@@ -66,7 +66,7 @@ class CappedSink:
 
     Past the cap it drains the pipe (the action must not block on a full pipe) at most every
     ``SPILL_PAUSE_S``, a pipe's worth at a time: an action writing as fast as it can (``cat
-    /dev/zero``) took 45% of a core of the agent's event loop at 64 KiB a read; now ~4%, and a
+    /dev/zero``) took 45% of a core of the agent's event loop at 64 KiB a read; now ~5%, and a
     chatty action still drains at up to ~100 MB/s."""
 
     def __init__(self, fd: int, cap: int) -> None:

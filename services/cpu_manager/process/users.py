@@ -92,12 +92,9 @@ def run_as(root: Path, *, wanted: bool = True, bin_dir: Path = dropuid.BIN_DIR) 
         return RunAs(False, "trajectory_uids off")
     if os.geteuid() != 0:
         return RunAs(False, "not root: cannot switch users")
-    closed = _closed_ancestor(root)
-    if closed is not None:
-        return RunAs(False, f"{closed} is closed to other users; use a state dir outside it")
-    foreign = _foreign_ancestor(root)
-    if foreign:  # root would mkdir/chown through a path someone else can swap out
-        return RunAs(False, f"{foreign}; use a state dir only root can change")
+    unfit = _unfit_ancestor(root)
+    if unfit:
+        return RunAs(False, unfit)
     built, why = dropuid.launcher(bin_dir)
     if built is not None:
         return RunAs(True, launcher=str(built))
@@ -107,28 +104,23 @@ def run_as(root: Path, *, wanted: bool = True, bin_dir: Path = dropuid.BIN_DIR) 
     return RunAs(True, f"no tangram-dropuid: {why}", launcher=SETPRIV)
 
 
-def _foreign_ancestor(path: Path) -> str:
-    """Why root may not make trajectories' directories under ``path``: an existing directory
-    on the way that someone other than root could change (swap in a symlink that root would
-    then follow into a chown); "" when there is none."""
-    for p in (*reversed(path.resolve().parents), path.resolve()):
+def _unfit_ancestor(path: Path) -> str:
+    """Why trajectories' uids cannot work under ``path`` ("" when they can): a directory on
+    the way that other users cannot pass through, or one (``path`` itself included) that
+    someone other than root could change, swapping in a symlink root would then follow into
+    a chown. What does not exist yet the agent creates, as root."""
+    real = path.resolve()
+    for p in (*reversed(real.parents), real):
         try:
             st = p.lstat()
         except FileNotFoundError:
-            return ""  # the agent creates the rest, as root
+            return ""
+        if p != real and not st.st_mode & stat.S_IXOTH:
+            return f"{p} is closed to other users; use a state dir outside it"
         unsafe = dropuid.root_only(p, st)
         if unsafe:
-            return unsafe
+            return f"{unsafe}; use a state dir only root can change"
     return ""
-
-
-def _closed_ancestor(path: Path) -> Path | None:
-    """The first existing ancestor of ``path`` other users cannot traverse (None: all can)."""
-    for parent in reversed(path.resolve().parents):
-        with contextlib.suppress(FileNotFoundError):
-            if not os.stat(parent).st_mode & stat.S_IXOTH:
-                return parent
-    return None
 
 
 class UidPool:
