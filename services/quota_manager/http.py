@@ -40,6 +40,8 @@ from tangram.errors import InvalidRequest
 
 REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
 DROPPED_HEADERS: Final = frozenset({"set-cookie", "set-cookie2"})
+REDACTED: Final = b"[redacted]"
+MAX_TOKENS: Final = 10**9  # the most tokens one reply may say it spent
 MAX_SESSIONS: Final = 256  # one per (allow-list, scheme); the least recently used idle closes
 
 
@@ -52,6 +54,7 @@ class Call(NamedTuple):
     body: bytes
     hosts: tuple[str, ...]
     cap: int  # response body bytes kept
+    secret: str = ""  # the API key in ``headers``: scrubbed from the body before it is cut
 
 
 class Answer(NamedTuple):
@@ -149,7 +152,7 @@ class Upstream:
             ):
                 location = resp.headers.get("Location")
                 if resp.status not in REDIRECTS or location is None:
-                    return await answer(resp, call.cap)
+                    return await answer(resp, call.cap, call.secret)
             target = check_redirect(location, target.url, call.hosts)
             method, body = redirected(resp.status, method, body)
         raise InvalidRequest(f"too many redirects (more than {MAX_REDIRECTS})")
@@ -239,8 +242,12 @@ def redirected(status: int, method: str, body: bytes) -> tuple[str, bytes]:
     return method, body
 
 
-async def answer(resp: aiohttp.ClientResponse, cap: int) -> Answer:
-    body, truncated = await read_capped(resp.content, cap)
+async def answer(resp: aiohttp.ClientResponse, cap: int, secret: str = "") -> Answer:
+    """The upstream's answer, its body cut at ``cap`` bytes after ``secret`` is scrubbed from
+    it: cut first, an echoed key would leave its first bytes (a caller picks the cap)."""
+    body, more = await read_capped(resp.content, cap + len(secret))
+    body = scrub(body, secret, cut=more)
+    body, truncated = body[:cap], more or len(body) > cap
     response = HttpResponse(
         status=resp.status,
         headers=kept_headers(resp.headers),
@@ -263,18 +270,38 @@ async def read_capped(content: aiohttp.StreamReader, cap: int) -> tuple[bytes, b
     return b"".join(chunks)[:cap], size > cap
 
 
+def scrub(body: bytes, secret: str, *, cut: bool = False) -> bytes:
+    """``body`` with every ``secret`` replaced; when ``cut`` (more followed), also without
+    the start of one it ends with. Read ``len(secret)`` past the cap, every key that starts
+    before the cap is whole, so the body cut at the cap keeps no part of one."""
+    if not secret:
+        return body
+    key = secret.encode()
+    body = body.replace(key, REDACTED)
+    if cut:
+        body = body[: len(body) - _partial(body, key)]
+    return body
+
+
+def _partial(body: bytes, key: bytes) -> int:
+    """The length of the longest start of ``key`` that ``body`` ends with."""
+    return next((n for n in range(len(key) - 1, 0, -1) if body.endswith(key[:n])), 0)
+
+
 def kept_headers(headers: CIMultiDictProxy[str]) -> dict[str, str]:
-    """Response headers as one dict (repeats joined), without cookies, within the caps."""
+    """Response headers as one dict (repeats joined), without cookies, within the caps: a
+    repeat counts too (100 repeats of 8 KB would make a result too big for the bus)."""
     kept: dict[str, str] = {}
     size = 0
     for name, value in headers.items():
         key = name.lower()
-        if key in DROPPED_HEADERS:
+        if key in DROPPED_HEADERS or (key not in kept and len(kept) >= MAX_HEADERS):
             continue
-        if key not in kept and (len(kept) >= MAX_HEADERS or size > MAX_HEADER_BYTES):
+        cost = len(value) + (2 if key in kept else len(key))
+        if size + cost > MAX_HEADER_BYTES:
             continue
         kept[key] = f"{kept[key]}, {value}" if key in kept else value
-        size += len(key) + len(value)
+        size += cost
     return kept
 
 
@@ -295,4 +322,6 @@ def tokens_used(body: bytes) -> int | None:
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
     total = usage.total_tokens if usage is not None else None
-    return total if total is not None and total >= 0 else None
+    # bounded as a lease's report is: 2**64 - 1 as a float would swallow every other entry of
+    # the token window, which then undercounts once it expires
+    return min(total, MAX_TOKENS) if total is not None and total >= 0 else None

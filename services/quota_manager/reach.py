@@ -17,7 +17,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping
 from typing import Final
-from urllib.parse import urljoin
+from urllib.parse import urljoin, urlsplit
 
 from tangram.contract.hosts import Target, allowed, check_url
 from tangram.errors import InvalidRequest
@@ -29,7 +29,8 @@ def check_redirect(location: str, current: str, hosts: tuple[str, ...]) -> Targe
     """The target of a redirect from ``current`` to ``location``, by the same rule; never from
     https down to http (what the request carries would leave in the clear)."""
     target = check_url(urljoin(current, location.strip()), hosts)
-    if current.lower().startswith("https:") and target.scheme != "https":
+    # the scheme as parsed (urlsplit, like yarl, drops leading blanks and tabs), not a prefix
+    if urlsplit(current).scheme.lower() == "https" and target.scheme != "https":
         raise InvalidRequest(f"redirect refused: from https down to {target.scheme}")
     return target
 

@@ -25,7 +25,7 @@ import msgspec
 
 from services.quota_manager import config
 from services.quota_manager.config import QuotaManagerConfig
-from services.quota_manager.http import AddressRefused, Call, Sent, Upstream
+from services.quota_manager.http import AddressRefused, Call, Sent, Upstream, scrub
 from tangram import metrics
 from tangram.agent import Agent, AgentConfig, Launch, Starts
 from tangram.bus import BaseBus, open_bus
@@ -143,7 +143,7 @@ class HttpExecutor:
             headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
             headers["Authorization"] = f"Bearer {key}"
         cap = action.response_cap_bytes
-        call = Call(action.method, action.url, headers, action.body, quota.hosts, cap)
+        call = Call(action.method, action.url, headers, action.body, quota.hosts, cap, key)
         return call, key, d.action.spec.timeout_s
 
     def api_key(self, quota: QuotaSpec) -> str:
@@ -175,6 +175,9 @@ class HttpExecutor:
                 got = await self.upstream.fetch(call, sent)
         except InvalidRequest as exc:
             return _failure(ErrorKind.INVALID_REQUEST, _scrub(str(exc), key))
+        except aiohttp.InvalidURL as exc:  # passed the allow-list, refused by aiohttp (e.g.
+            # ``127.0.0.1.``): the caller's to fix, never retried as if the upstream failed
+            return _failure(ErrorKind.INVALID_REQUEST, _scrub(_said(exc), key))
         except TimeoutError:
             why = f"no answer from the upstream within {timeout_s:g}s"
             return _failure(ErrorKind.EXEC_TIMEOUT, why)
@@ -213,7 +216,7 @@ def _scrubbed(response: HttpResponse, key: str) -> HttpResponse:
     if not key:
         return response
     headers = {k: _scrub(v, key) for k, v in response.headers.items()}
-    body = response.body.replace(key.encode(), REDACTED.encode())
+    body = scrub(response.body, key)
     return msgspec.structs.replace(response, headers=headers, body=body)
 
 

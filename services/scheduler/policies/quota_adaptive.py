@@ -102,10 +102,17 @@ _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _EPOCH_AFTER = 1e9  # a reset larger than this is a Unix time, not a delay
 
 
+MAX_DELAY_S = 24 * 3600.0  # as a lease's report: a provider's "years" would stop the quota
+
+
 def parse_delay(value: str, wall_now: float) -> float | None:
     """Seconds from now in ``value``: ``"2"``, ``"1.5"``, ``"6m0s"``, ``"20ms"``, a Unix time,
-    or an HTTP date; None when it is none of those. Never negative."""
-    value = value.strip()
+    or an HTTP date; None when it is none of those. Never negative, at most a day."""
+    delay = _parse_delay(value.strip(), wall_now)
+    return None if delay is None else min(delay, MAX_DELAY_S)
+
+
+def _parse_delay(value: str, wall_now: float) -> float | None:
     try:
         number = float(value)
     except ValueError:
