@@ -18,7 +18,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 import msgspec
@@ -43,6 +43,8 @@ from tangram.contract import (
 from tangram.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
+# a caller's headers dropped where a key is added (the key; a coding aiohttp cannot decode)
+_KEYED_OUT: Final = frozenset({"authorization", "accept-encoding"})
 
 Clock = Callable[[], float]
 REDACTED = "[redacted]"
@@ -139,8 +141,9 @@ class HttpExecutor:
             raise InvalidRequest(f"http action dispatched without its quota {action.quota!r}")
         key = self.api_key(quota)
         headers = dict(action.headers)
-        if key:
-            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+        if key:  # and no coding of the caller's: one aiohttp does not decode would carry an
+            # echoed key past the scrub (aiohttp asks for what it decodes itself)
+            headers = {k: v for k, v in headers.items() if k.lower() not in _KEYED_OUT}
             headers["Authorization"] = f"Bearer {key}"
         cap = action.response_cap_bytes
         call = Call(action.method, action.url, headers, action.body, quota.hosts, cap, key)

@@ -157,3 +157,39 @@ async def test_a_url_aiohttp_cannot_use_is_the_callers_error_not_a_retry(reflect
         await ex.close()
     assert out.failure is ErrorKind.INVALID_REQUEST, out
     assert "not a canonical IPv4 address" in out.detail
+
+
+async def test_a_callers_accept_encoding_cannot_hide_an_echoed_key() -> None:
+    # An honest echo endpoint answering in whatever coding the request accepts: with the
+    # caller's Accept-Encoding passed on, it answered in one aiohttp does not decode, so the
+    # echoed key came back encoded, past the scrub. The quota_manager now asks for what it
+    # decodes itself whenever it adds a key.
+    def rot13(data: bytes) -> bytes:
+        return data.translate(bytes.maketrans(_ROT_FROM, _ROT_FROM[13:26] + _ROT_FROM[:13]))
+
+    async def echo(request: web.Request) -> web.Response:
+        said = request.headers.get("Authorization", "").encode()
+        if "x-rot13" in request.headers.get("Accept-Encoding", ""):
+            return web.Response(body=rot13(said), headers={"Content-Encoding": "x-rot13"})
+        return web.Response(body=said)
+
+    app = web.Application()
+    app.router.add_get("/echo", echo)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host = f"127.0.0.1:{runner.addresses[0][1]}"
+    ex = HttpExecutor(Upstream(), environ={KEY_ENV: SECRET})
+    try:
+        headers = {"accept-encoding": "x-rot13"}
+        d = dispatch(f"http://{host}/echo", (host,), key=True, headers=headers)
+        out = await ex.run(d)
+        assert out.http is not None, out
+        assert out.http.body == b"Bearer [redacted]", out.http.body
+        assert rot13(SECRET.encode()) not in encode(out)
+    finally:
+        await ex.close()
+        await runner.cleanup()
+
+
+_ROT_FROM = b"abcdefghijklmnopqrstuvwxyz"
