@@ -476,6 +476,12 @@ class Client:
             except TangramError as exc:
                 if not exc.retryable:
                     raise
+                if tries == 1 and first is not None:
+                    # the budget counts from when the try left: not its wait in the client's
+                    # own batch queue (behind batches a loaded gateway was slow to answer).
+                    # Counted, a batch that then timed out was given up unretried under
+                    # overload (``Unavailable``: 256 of 30,000 submits at 3x capacity).
+                    deadline += max(0.0, time.monotonic() - start - self._intake.attempt_s)
                 pause = _pause(exc, delay)
                 if isinstance(exc, Busy):
                     deadline = min(busy_until, time.monotonic() + pause + self.request_timeout)
@@ -513,7 +519,7 @@ class Client:
         try:
             while True:
                 if recheck == 0.0 or not await _wait(fut, _slice(recheck, deadline)):
-                    found = await self._ask(action_id)
+                    found = await self._ask_within(action_id, deadline)
                     if found is not None:
                         return found
                 if fut.done():
@@ -538,6 +544,19 @@ class Client:
             for res in found:
                 if isinstance(res, ActionResult):
                     self._deliver(res)
+
+    async def _ask_within(self, action_id: str, deadline: float | None) -> ActionResult | None:
+        """:meth:`_ask` for a wait with time left: a gateway too loaded (or away) to answer
+        within the request budget is asked again at the next recheck, and the push may come
+        meanwhile. Raised, it ended ``result(timeout=300)`` after ~30 s under overload while
+        the action was fine (it finished later). A wait without a deadline still hears the
+        error (a mesh gone for good must not hang it)."""
+        try:
+            return await self._ask(action_id)
+        except TangramError as exc:
+            if not exc.retryable or deadline is None or time.monotonic() >= deadline:
+                raise
+            return None
 
     async def _ask(self, action_id: str) -> ActionResult | None:
         reply = await self._gateway(GetResult(action_id=action_id))

@@ -4,11 +4,12 @@ Pure: no I/O, no clock (an admission's time is its action's submission time). Th
 the scheduler's last :class:`~tangram.contract.Pressure` (accepted-but-unfinished actions,
 published every tick) plus what this gateway admitted that the scheduler had not received by
 then: the report says the newest submission time it received (``received_up_to``), and the
-admissions up to it are forgotten. So a burst between two reports is counted at once, and what
-finished long ago is not: counting every admission of the last two intervals instead (as an
-older scheduler's reports, without that time, still are) refused a fast service's calls at
-~1,800 a second as a backlog of 669 while 64 were open (`bench/gpu.py`: 300 calls/s, its
-calls waiting out a busy retry of 2 s, against 1,800-2,000 calls/s).
+admissions up to it are forgotten (and an admission that handed the scheduler nothing, a
+duplicate or a refused submit, at once: :meth:`Admission.void`). So a burst between two reports
+is counted at once, and what finished long ago is not: counting every admission of the last
+two intervals instead (as an older scheduler's reports, without that time, still are) refused a
+fast service's calls at ~1,800 a second as a backlog of 669 while 64 were open (`bench/gpu.py`:
+300 calls/s, its calls waiting out a busy retry of 2 s, against 1,800-2,000 calls/s).
 The bound is seconds of work at the measured drain rate, with a floor (a cold mesh has no rate
 yet) and a ceiling.
 """
@@ -64,6 +65,15 @@ def _busy(backlog: int, bound: int, rate_per_s: float, bounds: Bounds) -> Busy:
     )
 
 
+@dataclass(slots=True)
+class Admitted:
+    """One admission a report has not yet said the scheduler received (``counted`` until it
+    does, or until the gateway learns it never will: see :meth:`Admission.void`)."""
+
+    submitted_at: float
+    counted: bool = True
+
+
 class Admission:
     """The gateway's view of the backlog: the last report plus what it admitted since."""
 
@@ -71,8 +81,9 @@ class Admission:
         self.bounds = bounds
         self.reported = 0  # queued + running in the scheduler's last report
         self.rate_per_s = 0.0
-        # submission times of what this gateway admitted that the last report does not count
-        self._unseen: deque[float] = deque()
+        # what this gateway admitted that the last report does not count (oldest first)
+        self._unseen: deque[Admitted] = deque()
+        self._counted = 0  # of those, the ones still counted
         self._older = 0  # a report without ``received_up_to``: the interval before it, counted
         self.bound = limit(0.0, bounds) if bounds.enabled else 2**62
         self.refused = 0
@@ -80,7 +91,7 @@ class Admission:
 
     @property
     def backlog(self) -> int:
-        return self.reported + self._older + len(self._unseen)
+        return self.reported + self._older + self._counted
 
     def observe(self, pressure: Pressure) -> None:
         """A new report replaces the estimate: what it says the scheduler received is in it."""
@@ -88,23 +99,40 @@ class Admission:
         self.rate_per_s = pressure.finished_per_s
         seen = pressure.received_up_to
         if seen > 0:
-            while self._unseen and self._unseen[0] <= seen:
-                self._unseen.popleft()
+            while self._unseen and self._unseen[0].submitted_at <= seen:
+                self.void(self._unseen.popleft())
             self._older = 0
         else:  # an older scheduler: what was admitted before the last report may be in flight
-            self._older = len(self._unseen)
-            self._unseen.clear()
+            self._older = self._counted
+            while self._unseen:
+                self.void(self._unseen.popleft())
         if self.bounds.enabled:
             self.bound = limit(self.rate_per_s, self.bounds)
         self.reports += 1
 
-    def admit(self, submitted_at: float = 0.0) -> Busy | None:
+    def take(self, submitted_at: float = 0.0) -> Admitted | Busy:
         """Count one more action in (submitted at ``submitted_at``, the gateway's clock), or
-        return why not (the caller raises it). The submit path's cost: a comparison and an
+        say why not (the caller raises it). The submit path's cost: a comparison and an
         append."""
-        backlog = self.backlog
-        if backlog < self.bound:
-            self._unseen.append(submitted_at)
-            return None
+        if self.backlog < self.bound:
+            admitted = Admitted(submitted_at)
+            self._unseen.append(admitted)
+            self._counted += 1
+            return admitted
         self.refused += 1
-        return _busy(backlog, self.bound, self.rate_per_s, self.bounds)
+        return _busy(self.backlog, self.bound, self.rate_per_s, self.bounds)
+
+    def admit(self, submitted_at: float = 0.0) -> Busy | None:
+        """:meth:`take`, for a caller that never voids: None when admitted."""
+        taken = self.take(submitted_at)
+        return taken if isinstance(taken, Busy) else None
+
+    def void(self, admitted: Admitted) -> None:
+        """Stop counting an admission: a report counts it now, or the scheduler will never
+        receive it (a duplicate of a durable action, refused at intake, not committed).
+        Counted until a later action reached the scheduler, such phantoms filled the bound
+        on a quiet mesh, and then no later action got in: a client replaying 512 finished
+        action ids left its gateway answering ``busy`` to every new submit, for good."""
+        if admitted.counted:
+            admitted.counted = False
+            self._counted -= 1

@@ -26,6 +26,7 @@ from tangram import beats, db, ops_http, subjects, telemetry
 from tangram.bus import BaseBus, Server, open_bus
 from tangram.config import MeshConfig
 from tangram.contract import (
+    BATCH_BYTES,
     Accepted,
     ActionResult,
     Cancel,
@@ -51,6 +52,7 @@ from tangram.contract import (
     SubmitMany,
     Submitted,
     batches,
+    encode,
 )
 from tangram.errors import Busy, InvalidRequest, TangramError, Unavailable
 from tangram.runtime import Probe, Service, State
@@ -176,7 +178,7 @@ class Gateway(Service):
                 return await self.submit(req, owner)
             case SubmitMany(items=items):
                 answers = await asyncio.gather(*(self._submit_one(one, owner) for one in items))
-                return Submitted(items=tuple(answers))
+                return Submitted(items=fitted(answers))
             case GetResult(action_id=action_id):
                 return await self.get_result(action_id, owner)
             case CloseEnv(trajectory_id=tid):
@@ -230,11 +232,17 @@ class Gateway(Service):
                 owner=owner,
             ),
         )
-        busy = self.admission.admit(action.submitted_at)  # validated first: a wrong request
-        # is told so at once
-        if busy is not None:
-            return await self._refuse(req.spec.action_id, busy, owner)
-        intake = await self.intake.submit(store.Owned(action, owner))
+        admitted = self.admission.take(action.submitted_at)  # validated first: a wrong
+        # request is told so at once
+        if isinstance(admitted, Busy):
+            return await self._refuse(req.spec.action_id, admitted, owner)
+        new = False
+        try:
+            intake = await self.intake.submit(store.Owned(action, owner))
+            new = intake.new
+        finally:  # handed nothing to the scheduler (a duplicate, another's trajectory, a
+            if not new:  # failed commit): no report will ever forget it (Admission.void)
+                self.admission.void(admitted)
         ownership.check_intake(intake, req.spec.trajectory_id, owner)
         if intake.duplicate:
             return intake.result or Accepted(
@@ -275,6 +283,28 @@ class Gateway(Service):
     async def forward(self, cmd: CloseEnvCmd | CancelCmd) -> Done:
         await self.bus.request(subjects.SCHED_ACTIONS, cmd, timeout=SCHEDULER_TIMEOUT_S)
         return Done()
+
+
+def fitted(
+    answers: Sequence[Accepted | ActionResult | ErrorReply],
+) -> tuple[Accepted | ActionResult | ErrorReply, ...]:
+    """A batch's answers in one reply the broker carries: the stored results of finished
+    duplicates (up to ~512 KiB each) inline while they fit ``BATCH_BYTES`` together, the rest
+    as duplicates with their status, which the client then asks for one at a time. Inline,
+    a replayed batch of finished actions went over the broker's max payload, and no answer at
+    all came back. New actions (``Accepted``) cost an ``isinstance`` each."""
+    room = BATCH_BYTES
+    out: list[Accepted | ActionResult | ErrorReply] = []
+    for answer in answers:
+        if isinstance(answer, ActionResult):
+            size = len(encode(answer))
+            if size > room:
+                status = answer.status
+                answer = Accepted(action_id=answer.action_id, duplicate=True, status=status)
+            else:
+                room -= size
+        out.append(answer)
+    return tuple(out)
 
 
 @contextlib.contextmanager

@@ -20,10 +20,14 @@ from tangram.bus import Bus
 from tangram.client import Client, SyncClient
 from tangram.contract import (
     Accepted,
+    ActionResult,
+    GatewayRequest,
     GetResult,
     Pending,
     Pressure,
     Submit,
+    SubmitMany,
+    Submitted,
     codec,
     encode,
 )
@@ -228,3 +232,91 @@ async def test_new_actions_are_reported_between_ticks(tmp_path: Path, uid: str) 
             )
         finally:
             await raw.close()
+
+
+async def test_resubmitted_finished_actions_do_not_fill_the_bound(small_mesh: Mesh, uid: str):
+    """An admitted submit that turns out a duplicate of a durable action never reaches the
+    scheduler, so no report ever says it was received. It was counted until a later action
+    was: once such phantoms filled the bound no later action got in, and the gateway answered
+    ``busy`` to every new submit for good (a client replaying finished ids on a quiet mesh:
+    2 batches of 256 at the default floor of 512)."""
+    spy = Spy()
+    raw = await Bus.connect(small_mesh.nats_url, "phantom-test")
+    try:
+        await raw.nc.subscribe(subjects.SCHED_PRESSURE.subject, cb=spy.on_pressure)
+        async with Client.connect(small_mesh.nats_url) as client:
+            done = exec_spec(uid, "done", "true")
+            assert (await client.run(done, wait_s=30)).ok
+            await eventually(lambda: spy.seen_twice(0), what="an idle mesh reported")
+            replay = SubmitMany(items=(Submit(spec=done),) * (2 * FLOOR))
+            answer = await raw.request(subjects.GATEWAY, replay)
+            assert isinstance(answer, Submitted)
+            assert all(isinstance(a, Accepted | ActionResult) for a in answer.items)
+            fresh = exec_spec(uid, "fresh", "echo in")
+            ack = await raw.request(subjects.GATEWAY, Submit(spec=fresh))  # busy before the fix
+            assert isinstance(ack, Accepted)
+            assert (await client.result(fresh.action_id, timeout=30)).stdout == "in\n"
+    finally:
+        await raw.close()
+
+
+class SlowGateway:
+    """Holds its first request ``hold_s`` then accepts it, leaves its second unanswered (an
+    overloaded gateway), accepts every later one; answers a result query ``busy`` (a gateway
+    at capacity: no retry-after) ``refusals`` times, then with the result."""
+
+    def __init__(self, bus: Bus, hold_s: float = 0.0, refusals: int = 0) -> None:
+        self.bus, self.hold_s, self.refusals = bus, hold_s, refusals
+        self.seen: list[Any] = []
+
+    async def start(self) -> None:
+        await self.bus.nc.subscribe(subjects.GATEWAY.subject, cb=self.on_msg)
+
+    async def on_msg(self, msg: Msg) -> None:
+        req = codec.decode(msg.data, GatewayRequest)
+        self.seen.append(req)
+        if isinstance(req, GetResult):
+            if sum(isinstance(r, GetResult) for r in self.seen) <= self.refusals:
+                await msg.respond(encode(Busy("tangram.v1.gateway is at capacity").to_reply()))
+            else:
+                await msg.respond(encode(ActionResult(action_id=req.action_id, status="succeeded")))
+            return
+        if len(self.seen) == 2:
+            return  # no answer: the try times out
+        if len(self.seen) == 1:
+            await asyncio.sleep(self.hold_s)
+        items = req.items if isinstance(req, SubmitMany) else (req,)
+        answers = tuple(Accepted(action_id=s.spec.action_id) for s in items)
+        await msg.respond(encode(Submitted(items=answers) if len(items) > 1 else answers[0]))
+
+
+async def test_a_submit_queued_behind_a_slow_batch_is_still_tried_alone(
+    raw_bus: Bus, nats_url: str
+):
+    """A submit's budget was spent waiting in the client's own batch queue (behind a batch an
+    overloaded gateway was slow to answer): when its own batched try then timed out it was
+    given up unretried, ``Unavailable`` (256 submits so, a whole batch, offering 1,500/s for
+    20 s to a mesh finishing ~400/s). The gateway had never been asked again."""
+    gateway = SlowGateway(raw_bus, hold_s=0.4)
+    await gateway.start()
+    async with Client.connect(nats_url, request_timeout=0.8) as client:
+        client._intake.attempt_s = 0.5  # a batched try's wait for its answer (2 s by default)
+        first = asyncio.create_task(client.submit(exec_spec("c", "first", "true")))
+        await eventually(lambda: gateway.seen, what="the first batch sent")
+        second = await client.submit(exec_spec("c", "second", "true"))  # queued, then timed out
+        assert second.action_id == "c-second"  # tried alone: before the fix, Unavailable
+        assert (await first).action_id == "c-first"
+    assert len(gateway.seen) == 3
+
+
+async def test_a_result_wait_outlasts_a_gateway_at_capacity(raw_bus: Bus, nats_url: str):
+    """Waiting for a result with time left, a gateway too loaded to answer the result query
+    within the client's request budget ended the wait ``busy``/``unavailable`` (99 of 30,000
+    accepted actions so, waited for with ``result(timeout=300)`` under 3x overload): the
+    action was fine and finished later. The wait now goes on and asks again."""
+    gateway = SlowGateway(raw_bus, refusals=6)
+    await gateway.start()
+    async with Client.connect(nats_url, request_timeout=0.3) as client:
+        res = await client.result("c-late", timeout=20)
+    assert res.status == "succeeded"
+    assert sum(isinstance(r, GetResult) for r in gateway.seen) == 7

@@ -14,6 +14,7 @@ from services.gateway.admission import (
     RETRY_MAX_S,
     RETRY_MIN_S,
     Admission,
+    Admitted,
     Bounds,
     limit,
     retry_after,
@@ -217,3 +218,25 @@ def test_a_report_receiving_nothing_new_keeps_the_count() -> None:
         assert admission.admit(t) is None
     admission.observe(Pressure(queued=3, running=0, received_up_to=4.0))
     assert admission.backlog == 5
+
+
+def test_an_admission_the_scheduler_will_never_receive_is_voided() -> None:
+    """A duplicate (or refused, or uncommitted) submit hands the scheduler nothing, so no
+    report forgets it: voided, it no longer counts; a report later passing it counts it once."""
+    admission = Admission(Bounds(backlog_s=1.0, floor=2, ceiling=1000))
+    taken = [admission.take(float(t)) for t in (1, 2)]
+    assert isinstance(admission.take(3.0), Busy)
+    for one in taken:
+        assert isinstance(one, Admitted)
+        admission.void(one)
+        admission.void(one)  # twice is once
+    assert admission.backlog == 0
+    kept = admission.take(4.0)
+    assert isinstance(kept, Admitted)
+    admission.observe(Pressure(queued=1, received_up_to=4.0))
+    admission.void(kept)  # counted by the report now: not twice
+    assert admission.backlog == 1
+    # an older scheduler's report (no received_up_to) moves the uncounted to the next one
+    assert isinstance(admission.take(5.0), Admitted)
+    admission.observe(Pressure(queued=1))
+    assert admission.backlog == 2
