@@ -49,6 +49,7 @@ Unsubscribe = Callable[[], Awaitable[None]]
 # interpreter's limit (~1,000), even while skipping an unknown field. Refuse far before that.
 MAX_NESTING: Final = 32
 DEFAULT_TIMEOUT_S: Final = 5.0
+MAX_REASON_CHARS: Final = 300  # of a decoder's message, in the error reply naming it
 # Refused pushes (no one to answer but the log): at most this many lines per this many seconds
 DROPPED_LOG: Final = (5, 10.0)
 
@@ -145,7 +146,10 @@ def describe_decode_error(exc: Exception) -> str:
     """A one-line reason for a payload that did not decode (msgspec names the bad field)."""
     if isinstance(exc, RecursionError):
         return "malformed message: nested too deep to decode"
-    return f"malformed message: {exc}"
+    said = str(exc)  # msgspec quotes the offending value: a sender's 500 KB string came back whole
+    if len(said) > MAX_REASON_CHARS:
+        said = f"{said[:MAX_REASON_CHARS]}... ({len(said)} characters)"
+    return f"malformed message: {said}"
 
 
 def decode_reply(subject: str, data: bytes, reply_type: Any) -> Any:

@@ -92,3 +92,14 @@ def _depth(value: object) -> int:
     if isinstance(value, dict) and value:
         return 1 + max(_depth(v) for v in value.values())
     return 0
+
+
+def test_a_huge_bad_value_is_not_echoed_whole() -> None:
+    # msgspec quotes the offending value: a 500 KB tag came back whole in the error reply (an
+    # amplifier, and near the broker's payload limit; review R3)
+    tag = "x" * 500_000
+    out = decode_request(msgspec.msgpack.encode({"type": tag}), GatewayRequest)
+    assert isinstance(out, ErrorReply)
+    assert out.code == "invalid_request"
+    assert "malformed message" in out.message
+    assert len(out.message) < 1_000, len(out.message)

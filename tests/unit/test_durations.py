@@ -60,3 +60,19 @@ def test_bad_inputs_are_rejected() -> None:
         DurationLearner(decay=0)
     with pytest.raises(ValueError, match="positive"):
         Table(((0, 1.0),))
+
+
+def test_the_learner_forgets_the_least_recently_observed_profile_past_its_bound() -> None:
+    # A profile is a client's string: kept without bound, 100k distinct ones held 69 MB of
+    # the scheduler (review R3).
+    learner = DurationLearner(max_profiles=3)
+    for name in ("a", "b", "c"):
+        learner.observe(name, 1, 1.0)
+    learner.observe("a", 2, 0.5)  # observed again: now the most recent
+    learner.observe("d", 1, 4.0)
+    assert learner.profiles() == ["a", "c", "d"]
+    assert learner.model("b") is None
+    assert learner.model("a") is not None
+    for i in range(1000):
+        learner.observe(f"p{i}", 1, 1.0)
+    assert len(learner.profiles()) == 3

@@ -116,6 +116,9 @@ class _Fit:
         return Amdahl(a + b, b / (a + b))
 
 
+MAX_PROFILES = 10_000  # learned duration models kept (~1 KB each)
+
+
 class DurationLearner:
     """Learns one duration model per profile key from completed ``(units, exec_s)`` pairs.
 
@@ -124,16 +127,23 @@ class DurationLearner:
     recent observations more (a profile's behaviour drifts as the policy learns).
     """
 
-    def __init__(self, decay: float = 1.0) -> None:
+    def __init__(self, decay: float = 1.0, max_profiles: int = MAX_PROFILES) -> None:
         if not 0.0 < decay <= 1.0:
             raise ValueError("decay must be in (0, 1]")
         self._decay = decay
-        self._fits: dict[str, _Fit] = {}
+        self._max = max_profiles
+        self._fits: dict[str, _Fit] = {}  # least recently observed first
 
     def observe(self, profile: str, units: int, exec_s: float) -> None:
-        """Record one completed action of ``profile`` that ran ``exec_s`` on ``units``."""
+        """Record one completed action of ``profile`` that ran ``exec_s`` on ``units``. The
+        profile is a client's string: past ``max_profiles`` the least recently observed one
+        is forgotten (kept all, 100k distinct profiles held 69 MB of the scheduler)."""
         if profile and units > 0 and exec_s >= 0.0:
-            self._fits.setdefault(profile, _Fit()).add(units, exec_s, self._decay)
+            fit = self._fits.pop(profile, None) or _Fit()
+            fit.add(units, exec_s, self._decay)
+            self._fits[profile] = fit
+            if len(self._fits) > self._max:
+                del self._fits[next(iter(self._fits))]
 
     def model(self, profile: str) -> DurationModel | None:
         """The learned model of ``profile``, or None when nothing was observed."""
