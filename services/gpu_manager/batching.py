@@ -120,13 +120,24 @@ def run_batch(model: torch.nn.Module, handle: Handle, batch: Batch) -> list[Outp
     try:
         with torch.inference_mode():
             values = handle(model, [c.payload for c in batch.calls])
-    except Exception as exc:  # the handler is user code: its failure is the calls' own
+            if isinstance(values, list):  # a plain copy: a subclass's own __len__ or __iter__
+                values = list.copy(values)  # would run outside this guard
+    except BaseException as exc:  # user code in a worker thread: a SystemExit,
+        # KeyboardInterrupt or custom BaseException is the calls' failure, never the agent's
         trace = traceback.format_exc()[-TRACE_CHARS:]
-        return _failed(batch, f"handler raised {exc!r}", fault_of(exc), trace)
+        return _failed(batch, f"handler raised {safe_repr(exc)}", fault_of(exc), trace)
     if not isinstance(values, list) or len(values) != len(batch.calls):
         got = len(values) if isinstance(values, list) else type(values).__name__
         return _failed(batch, f"handler returned {got} outputs for {len(batch.calls)} payloads")
     return [Output(c.call_id, v) for c, v in zip(batch.calls, values, strict=True)]
+
+
+def safe_repr(obj: object) -> str:
+    """``repr(obj)``, or its type's name when the user's ``__repr__`` itself fails."""
+    try:
+        return repr(obj)
+    except BaseException:  # a user's __repr__ is user code too
+        return f"<{type(obj).__name__} whose repr failed>"
 
 
 def fault_of(exc: BaseException) -> Fault:

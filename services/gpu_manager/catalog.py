@@ -16,6 +16,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from services.gpu_manager.batching import safe_repr
 from services.gpu_manager.host_copy import HostCopy, Resident
 from services.gpu_manager.residency import Placement
 from services.gpu_manager.services import Handle, build_service
@@ -68,9 +69,11 @@ def prepare(
             copy = state.capture(state_id, built.model)
     except TangramError as exc:
         return Prepared(spec, error=exc.message)
-    except Exception as exc:  # a model the host copy cannot capture is the user's fault too
+    except BaseException as exc:  # a model the host copy cannot capture is the user's fault
+        # too (its own overrides ran: whatever they raise)
         log.warning("service %s: cannot keep a host copy", spec.name, exc_info=True)
-        return Prepared(spec, error=f"service {spec.name}: cannot copy its state: {exc!r}")
+        why = f"service {spec.name}: cannot copy its state: {safe_repr(exc)}"
+        return Prepared(spec, error=why)
     return Prepared(spec, copy, built.handle, state_id=state_id)
 
 
@@ -89,7 +92,10 @@ async def bounded_prepare(
     done: asyncio.Future[Prepared] = loop.create_future()
 
     def build() -> None:
-        entry = prepare(spec, state)
+        try:
+            entry = prepare(spec, state)
+        except BaseException as exc:  # whatever escapes still settles the wait
+            entry = Prepared(spec, error=f"service {spec.name}: its build failed: {safe_repr(exc)}")
         if done.done() and state is not None:  # abandoned: nobody will forget its state
             state.forget(entry.state_id)
         with contextlib.suppress(RuntimeError):  # the loop closed while it built
@@ -109,6 +115,19 @@ async def bounded_prepare(
 def _settle(fut: asyncio.Future[Prepared], entry: Prepared) -> None:
     if not fut.done():  # else the wait timed out: the late entry is dropped
         fut.set_result(entry)
+
+
+def oversized(entry: Prepared, budget: int, node: str) -> str:
+    """Why ``entry`` can never run on ``node``, whose largest device holds ``budget`` bytes
+    (each device of a chunk holds a whole copy, so no DoP variant fits): its registration
+    fails naming the sizes rather than each of its calls. Empty when it fits (or failed)."""
+    if entry.error or budget <= 0 or entry.nbytes <= budget:
+        return ""
+    need, have = -(-entry.nbytes // MB), budget / MB
+    return (
+        f"service {entry.spec.name}: its state needs {need} MB on each device, more than "
+        f"any device of node {node} holds ({have:g} MB)"
+    )
 
 
 @dataclass(slots=True)

@@ -158,6 +158,7 @@ class GpuExecutor:
                 await self._keep(await catalog.bounded_prepare(spec, timeout_s, self.state))
 
     async def _keep(self, entry: Prepared) -> None:
+        entry = await self._fitting(entry)
         if entry.error:
             log.warning("service %s: %s", entry.spec.name, entry.error)
         busy = {g.placement for g in self.residency.running.values()}
@@ -168,6 +169,16 @@ class GpuExecutor:
             if p not in busy:
                 self.catalog.loaded.pop(p, None)
                 self.residency.cached.pop(p, None)
+
+    async def _fitting(self, entry: Prepared) -> Prepared:
+        """``entry``, or its failure when no device here could ever hold one copy of it."""
+        budgets = [d.budget_bytes for d in self.devices.devices]
+        why = catalog.oversized(entry, max(budgets, default=0), self.cfg.node_id)
+        if not why:
+            return entry
+        if entry.state_id:
+            await asyncio.to_thread(self.state.forget, entry.state_id)
+        return Prepared(entry.spec, error=why)
 
     def services(self) -> tuple[PreparedService, ...]:
         return self.catalog.reports(snapshot(self.residency), self.ran)

@@ -8,9 +8,13 @@ from typing import Final
 import msgspec
 
 from services.gpu_manager.batching import Output
+from tangram.bus import MAX_NESTING, too_deep
 from tangram.contract import ErrorKind, Outcome, ServiceSpec
 
 HINT: Final = "raise the service's max_output_bytes (up to 256 KiB) or return less"
+# An output travels inside a completion, then a result, each nesting it a few levels deeper;
+# the bus refuses any message nested past MAX_NESTING.
+MAX_OUTPUT_NESTING: Final = MAX_NESTING - 8
 
 
 def outcome_of(
@@ -26,10 +30,17 @@ def outcome_of(
 
 def _output(out: Output, spec: ServiceSpec) -> Outcome:
     try:
-        size = len(msgspec.msgpack.encode(out.value))
-    except (TypeError, ValueError, OverflowError) as exc:
+        encoded = msgspec.msgpack.encode(out.value)
+    except Exception as exc:  # TypeError, OverflowError; RecursionError when nested too deep
         why = f"service {spec.name}: the handler's output is not a msgpack value: {exc}"
         return Outcome(exit_code=1, detail=why, stderr=why)
+    if too_deep(encoded, MAX_OUTPUT_NESTING):  # the bus would refuse its completion forever
+        why = (
+            f"service {spec.name}: the handler's output nests containers deeper than "
+            f"{MAX_OUTPUT_NESTING} levels (what the messages carrying it allow)"
+        )
+        return Outcome(exit_code=1, detail=why, stderr=why)
+    size = len(encoded)
     if size > spec.max_output_bytes:
         cap = spec.max_output_bytes
         why = f"service {spec.name}: output of {size} bytes exceeds max_output_bytes={cap}; {HINT}"

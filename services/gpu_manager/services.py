@@ -22,9 +22,11 @@ on whatever device the model is on and returns one output per payload, in order.
     # registered as ServiceSpec(name="judge", factory="my_rewards:length_judge", max_batch=32)
 
 The handle receives a batch (dynamic batching coalesces concurrent calls) and runs under
-``torch.inference_mode()``; outputs must be msgpack-able values. The model's state must live in
-parameters and buffers (plain tensor attributes are not moved); a buffer the handle adds (a
-cache built on first use) counts in the service's measured footprint from its first pass on.
+``torch.inference_mode()``; outputs must be msgpack-able values, nested at most 24
+containers deep (``outcomes.MAX_OUTPUT_NESTING``: the messages carrying them nest too). The
+model's state must live in parameters and buffers (plain tensor attributes are not moved); a
+buffer the handle adds (a cache built on first use) counts in the service's measured footprint
+from its first pass on.
 The factory runs once per gpu_manager and should not touch a GPU itself. Whatever goes wrong
 while importing or building becomes :class:`InvalidRequest` naming the problem, and so does a
 factory that has not returned within ``TANGRAM_GPU_PREPARE_TIMEOUT_S``; it never takes the
@@ -40,6 +42,7 @@ from typing import Any
 
 import torch
 
+from services.gpu_manager.batching import safe_repr
 from tangram.errors import InvalidRequest
 
 Handle = Callable[[torch.nn.Module, list[Any]], list[Any]]
@@ -64,8 +67,10 @@ def load_factory(path: str) -> Callable[[], object]:
         target: object = importlib.import_module(module_name)
         for part in attr.split("."):
             target = getattr(target, part)
-    except Exception as exc:  # any import-time failure is the user's
-        raise InvalidRequest(f"factory {path!r} cannot be imported: {exc!r}", hint=HINT) from exc
+    except BaseException as exc:  # any import-time failure is the user's, a
+        # SystemExit or KeyboardInterrupt raised by the module too (it runs in a build thread)
+        why = f"factory {path!r} cannot be imported: {safe_repr(exc)}"
+        raise InvalidRequest(why, hint=HINT) from exc
     if not callable(target):
         raise InvalidRequest(f"factory {path!r} is not callable", hint=HINT)
     return target
@@ -76,8 +81,8 @@ def build_service(path: str) -> BuiltService:
     factory = load_factory(path)
     try:
         built = factory()
-    except (Exception, SystemExit) as exc:  # a user's sys.exit() must not stop the agent
-        raise InvalidRequest(f"factory {path!r} raised {exc!r}", hint=HINT) from exc
+    except BaseException as exc:  # a user's sys.exit() must not stop the agent
+        raise InvalidRequest(f"factory {path!r} raised {safe_repr(exc)}", hint=HINT) from exc
     return _checked(path, built)
 
 
