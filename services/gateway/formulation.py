@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from services.gateway.quota_formulation import formulate_quota, quota_of
 from tangram import subjects
+from tangram.bus import MAX_NESTING, too_deep
 from tangram.contract import (
     ActionSpec,
     Demand,
@@ -18,12 +19,15 @@ from tangram.contract import (
     InferAction,
     QuotaSpec,
     UnifiedAction,
+    encode,
     kind_of,
 )
 from tangram.errors import InvalidRequest
 
 CPU = "cpu"
 GPU = "gpu"
+# an infer payload rides in a dispatch some levels deeper; the bus refuses past MAX_NESTING
+MAX_PAYLOAD_NESTING = MAX_NESTING - 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +140,12 @@ def formulate_infer(
 ) -> UnifiedAction:
     """An infer action: GPUs of a chunk size the scheduler chooses among the service's DoPs
     (``choices`` empty: the scheduler knows the services; it fails an unknown one naming the
-    registered ones). It needs no environment, so ``trajectory_id`` may be empty."""
+    registered ones). It needs no environment, so ``trajectory_id`` may be empty. Its
+    payload may nest only as deep as the dispatch carrying it to a node allows (deeper, the
+    node's bus refused that dispatch at every resend: the call never ran nor ended)."""
+    action = spec.action
+    if isinstance(action, InferAction) and too_deep(encode(action.payload), MAX_PAYLOAD_NESTING):
+        raise InvalidRequest(f"payload nests containers deeper than {MAX_PAYLOAD_NESTING} levels")
     return UnifiedAction(
         spec=spec,
         demands=(Demand(resource=GPU, choices=()),),

@@ -316,3 +316,21 @@ def test_at_shutdown_a_waiting_dispatch_is_forgotten_so_it_is_queued_again(core:
     core.finished("a", ok(), 0.1)
     (bye,) = [e for e in core.goodbye(()) if isinstance(e, Announce)]
     assert bye.msg.started == ("a",)  # b never started: the scheduler queues it again
+
+
+def test_a_refused_completion_gives_way_to_a_plain_failure_then_is_dropped(core: AgentCore):
+    # Refused as invalid (e.g. an output nested past what the bus carries), it was resent as it
+    # was for ever: the action never ended and the log flooded (review R2).
+    core.command(dispatch("a"), (), 1.0)
+    (c,) = delivered(core.finished("a", ok(), 2.0))
+    core.refused("a", "malformed message: nested deeper than 32 levels " + "x" * 1000)
+    (again,) = delivered(core.resend(10.0))
+    assert (again.action_id, again.attempt) == ("a", c.attempt)
+    assert again.outcome.failure is ErrorKind.INTERNAL
+    assert again.outcome.detail.startswith("the scheduler refused this action's completion: ")
+    assert "nested deeper than 32 levels" in again.outcome.detail
+    assert len(again.outcome.detail) < 400
+    assert again.outcome.finished_at == c.outcome.finished_at
+    core.refused("a", "refused again")
+    assert core.resend(100.0) == []
+    assert "a" not in core.unacked

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.formulation import CPU, Limits, check_reply_subject, formulate
-from tangram.contract import ActionSpec, ExecAction
+from services.gateway.formulation import (
+    CPU,
+    MAX_PAYLOAD_NESTING,
+    Limits,
+    check_reply_subject,
+    formulate,
+)
+from tangram.contract import ActionSpec, ExecAction, InferAction
 from tangram.errors import InvalidRequest
 
 RESULTS = "tangram.v1.results.c1"
@@ -87,3 +93,21 @@ def test_a_reply_subject_outside_the_results_prefix_is_refused(subject: str):
         formulate(spec(), now=0, limits=Limits(), reply_subject=subject)
     with pytest.raises(InvalidRequest):
         check_reply_subject(subject)
+
+
+def test_an_infer_payload_nested_deeper_than_a_dispatch_carries_is_refused():
+    # Accepted, a payload 29 deep rode in a dispatch past the bus's nesting limit: the node
+    # refused that dispatch at every resend and the call never ran nor ended (review R2).
+    def nested(depth: int) -> object:
+        value: object = 1
+        for _ in range(depth):
+            value = [value]
+        return value
+
+    def spec(depth: int) -> ActionSpec:
+        action = InferAction(service="judge", payload=nested(depth))
+        return ActionSpec(action_id="a", job_id="j", trajectory_id="", action=action)
+
+    formulate(spec(MAX_PAYLOAD_NESTING), now=0.0, limits=Limits())
+    with pytest.raises(InvalidRequest, match="payload nests containers deeper"):
+        formulate(spec(MAX_PAYLOAD_NESTING + 1), now=0.0, limits=Limits())

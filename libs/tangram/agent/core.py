@@ -172,6 +172,10 @@ class _Active:
     kill_reason: ErrorKind | None = None
 
 
+REFUSED = "the scheduler refused this action's completion"
+REFUSED_WHY_CHARS = 300
+
+
 @dataclass
 class _Unacked:
     completion: Completion
@@ -470,6 +474,28 @@ class AgentCore:
         self.done[action_id] = entry.completion.attempt
         if len(self.done) > DONE_LIMIT + DONE_LIMIT // 4:  # forget the oldest in one go
             self.done = dict(list(self.done.items())[-DONE_LIMIT:])
+
+    def refused(self, action_id: str, why: str) -> None:
+        """The scheduler refused a completion as invalid: it would be at every resend, and the
+        action would never end. Its outcome gives way, once, to a plain failure naming why;
+        refused again, the completion is dropped (the scheduler then finds the action gone
+        from this node's reports, as it does for one lost with a node)."""
+        entry = self.unacked.get(action_id)
+        if entry is None:
+            return
+        old = entry.completion.outcome
+        if old.failure is ErrorKind.INTERNAL and old.detail.startswith(REFUSED):
+            del self.unacked[action_id]
+            return
+        detail = f"{REFUSED}: {why[:REFUSED_WHY_CHARS]}"
+        plain = Outcome(
+            failure=ErrorKind.INTERNAL,
+            detail=detail,
+            started_at=old.started_at,
+            finished_at=old.finished_at,
+        )
+        entry.completion = msgspec.structs.replace(entry.completion, outcome=plain)
+        entry.in_flight = max(0, entry.in_flight - 1)
 
     def undelivered(self, action_id: str) -> None:
         """A delivery failed (no ack within its timeout, or refused); it is due again later."""

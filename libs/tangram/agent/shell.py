@@ -381,12 +381,14 @@ class Agent(Service):
         try:
             await self.bus.request(self.to_scheduler, msg, timeout=self.cfg.completion_timeout_s)
             delivered = True
-        except InvalidRequest as exc:  # refused: it will be again; say so louder
+        except InvalidRequest as exc:  # refused: it would be again; say so louder
             if len(batch) > 1:  # one refused completion must not hold back the others
                 for c in batch:
                     await self._deliver([c])
                 return
             log.warning("completion of %s refused: %s", ids, exc)
+            self.core.refused(batch[0].action_id, str(exc))  # never resent as it was
+            return
         except TangramError as exc:
             log.info("completion of %s not acknowledged yet: %s", ids, exc)
         except Exception:  # a bug: still never leave a completion marked in flight
