@@ -13,11 +13,10 @@ from typing import Any, TypeVar
 
 import asyncpg
 import msgspec
-import nats
 from nats.aio.client import Client as NATS
 
 from tangram import auth, db
-from tangram.bus import Bus
+from tangram.bus import Bus, _Nats
 from tangram.client import Client
 from tangram.contract import (
     ActionResult,
@@ -179,10 +178,15 @@ async def burst(
 
 async def raw_nats(url: str, creds: Path, errors: list[Exception]) -> NATS:
     """A bare connection (no reconnecting) presenting the credential in ``creds``; what the
-    broker refuses it (a permissions violation) is appended to ``errors``."""
+    broker refuses it (a permissions violation) is appended to ``errors``. nats-py's client as
+    the bus subclasses it: nats-py's own ``flush`` writes its PING ahead of a SUB still in its
+    buffer, so a message published right after ``subscribe`` + ``flush`` could beat the SUB to
+    the broker and be lost (seen in CI: ``test_the_normal_paths_work_under_their_grants``)."""
     who = auth.load_creds(creds)
 
     async def on_error(exc: Exception) -> None:
         errors.append(exc)
 
-    return await nats.connect(url, **who.login(), error_cb=on_error, allow_reconnect=False)
+    nc = _Nats()
+    await nc.connect(url, **who.login(), error_cb=on_error, allow_reconnect=False)
+    return nc
