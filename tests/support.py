@@ -190,3 +190,21 @@ async def raw_nats(url: str, creds: Path, errors: list[Exception]) -> NATS:
     nc = _Nats()
     await nc.connect(url, **who.login(), error_cb=on_error, allow_reconnect=False)
     return nc
+
+
+async def tables_holding(dsn: str, needle: str) -> list[str]:
+    """The public tables of the database at ``dsn`` with a row whose text holds ``needle``
+    (a secret that must be nowhere in Postgres)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        tables = await conn.fetch(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'"
+        )
+        found = []
+        for t in tables:
+            rows = await conn.fetch(f'SELECT t::text AS row FROM "{t["table_name"]}" t')
+            if any(needle in r["row"] for r in rows):
+                found.append(t["table_name"])
+        return found
+    finally:
+        await conn.close()

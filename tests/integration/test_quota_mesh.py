@@ -11,7 +11,6 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
-import asyncpg
 import msgspec
 import pytest
 
@@ -22,7 +21,7 @@ from tangram.errors import CallerError, InvalidRequest, RemoteError
 from tangram.launcher import Mesh
 from tests.ratelimited_server import RateLimitedServer, ServerConfig
 
-from ..support import eventually, running_mesh
+from ..support import eventually, running_mesh, tables_holding
 
 pytestmark = pytest.mark.slow
 
@@ -189,16 +188,7 @@ async def test_the_key_is_in_no_table_and_no_log(qmesh, qclient, uid):
         res = await qclient.http("POST", f"{server.url}/call", quota=spec.name, job_id=uid)
         assert server.counters.credentials == {f"Bearer {SECRET}"}
     assert SECRET.encode() not in msgspec.msgpack.encode(res)
-    conn = await asyncpg.connect(qmesh.postgres_dsn)
-    try:
-        tables = await conn.fetch(
-            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'"
-        )
-        for t in tables:
-            rows = await conn.fetch(f'SELECT t::text AS row FROM "{t["table_name"]}" t')
-            assert not [r for r in rows if SECRET in r["row"]], t["table_name"]
-    finally:
-        await conn.close()
+    assert await tables_holding(qmesh.postgres_dsn, SECRET) == []
     for log in (qmesh.opts.state_dir / "logs").glob("*.log"):
         assert SECRET.encode() not in log.read_bytes(), log.name
 
