@@ -34,7 +34,15 @@ from nats.aio.transport import TcpTransport
 
 from tangram import auth, telemetry
 from tangram.contract import MAX_MESSAGE_BYTES, ErrorReply, codec, encode
-from tangram.errors import Busy, InvalidRequest, RemoteError, TangramError, Unavailable, from_reply
+from tangram.errors import (
+    Busy,
+    InvalidRequest,
+    RemoteError,
+    TangramError,
+    Unavailable,
+    clipped,
+    from_reply,
+)
 from tangram.subjects import Endpoint
 
 log = logging.getLogger(__name__)
@@ -48,6 +56,9 @@ Unsubscribe = Callable[[], Awaitable[None]]
 # The contract nests ~6 deep; msgspec recurses per level and raises RecursionError near the
 # interpreter's limit (~1,000), even while skipping an unknown field. Refuse far before that.
 MAX_NESTING: Final = 32
+# A user's value (an infer payload, a handler's output) rides inside a few levels of the
+# messages that carry it (a dispatch, a completion, a result): it may nest this deep at most.
+MAX_VALUE_NESTING: Final = MAX_NESTING - 8
 DEFAULT_TIMEOUT_S: Final = 5.0
 MAX_REASON_CHARS: Final = 300  # of a decoder's message, in the error reply naming it
 # Refused pushes (no one to answer but the log): at most this many lines per this many seconds
@@ -146,10 +157,8 @@ def describe_decode_error(exc: Exception) -> str:
     """A one-line reason for a payload that did not decode (msgspec names the bad field)."""
     if isinstance(exc, RecursionError):
         return "malformed message: nested too deep to decode"
-    said = str(exc)  # msgspec quotes the offending value: a sender's 500 KB string came back whole
-    if len(said) > MAX_REASON_CHARS:
-        said = f"{said[:MAX_REASON_CHARS]}... ({len(said)} characters)"
-    return f"malformed message: {said}"
+    # msgspec quotes the offending value: a sender's 500 KB string came back whole
+    return f"malformed message: {clipped(str(exc), MAX_REASON_CHARS)}"
 
 
 def decode_reply(subject: str, data: bytes, reply_type: Any) -> Any:

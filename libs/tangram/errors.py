@@ -24,6 +24,14 @@ from __future__ import annotations
 from tangram.contract import ErrorReply
 
 
+def clipped(text: str, limit: int) -> str:
+    """``text`` for an error message: whole up to ``limit`` characters, else cut, saying how
+    long it was (a sender's value quoted whole can make a reply too big to send)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
 class TangramError(Exception):
     """Base of every error raised by tangram."""
 

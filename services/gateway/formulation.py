@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from services.gateway.quota_formulation import formulate_quota, quota_of
 from tangram import subjects
-from tangram.bus import MAX_NESTING, too_deep
+from tangram.bus import MAX_VALUE_NESTING, too_deep
 from tangram.contract import (
     ActionSpec,
     Demand,
@@ -22,12 +22,10 @@ from tangram.contract import (
     encode,
     kind_of,
 )
-from tangram.errors import InvalidRequest
+from tangram.errors import InvalidRequest, clipped
 
 CPU = "cpu"
 GPU = "gpu"
-# an infer payload rides in a dispatch some levels deeper; the bus refuses past MAX_NESTING
-MAX_PAYLOAD_NESTING = MAX_NESTING - 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,15 +48,6 @@ def cpu_choices(cpus: int | list[int], limits: Limits) -> tuple[int, ...]:
     return tuple(range(lo, hi + 1))
 
 
-def quoted(text: str, limit: int = 64) -> str:
-    """A client's string as an error message names it: its repr, cut. Whole, a name of
-    300 KB of control characters came back 1.2 MB long, over the broker's max payload: the
-    request got no answer at all."""
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[:limit]!r}... ({len(text)} characters)"
-
-
 def check_exec(action: ExecAction) -> None:
     """Reject commands that cannot run: empty, or with NUL bytes; bad environment names."""
     cmd = action.command
@@ -69,7 +58,10 @@ def check_exec(action: ExecAction) -> None:
         raise InvalidRequest("command contains a NUL byte")
     for name, value in action.env.items():
         if not name or "=" in name or "\x00" in name or "\x00" in value:
-            raise InvalidRequest(f"invalid environment variable name or value: {quoted(name)}")
+            # cut: a name of 300 KB of control characters, quoted whole, made the reply too
+            # big for the broker (no answer at all)
+            why = clipped(repr(name), 64)
+            raise InvalidRequest(f"invalid environment variable name or value: {why}")
 
 
 def check_reply_subject(subject: str, owner: str = "") -> None:
@@ -144,8 +136,8 @@ def formulate_infer(
     payload may nest only as deep as the dispatch carrying it to a node allows (deeper, the
     node's bus refused that dispatch at every resend: the call never ran nor ended)."""
     action = spec.action
-    if isinstance(action, InferAction) and too_deep(encode(action.payload), MAX_PAYLOAD_NESTING):
-        raise InvalidRequest(f"payload nests containers deeper than {MAX_PAYLOAD_NESTING} levels")
+    if isinstance(action, InferAction) and too_deep(encode(action.payload), MAX_VALUE_NESTING):
+        raise InvalidRequest(f"payload nests containers deeper than {MAX_VALUE_NESTING} levels")
     return UnifiedAction(
         spec=spec,
         demands=(Demand(resource=GPU, choices=()),),

@@ -8,13 +8,10 @@ from typing import Final
 import msgspec
 
 from services.gpu_manager.batching import Output
-from tangram.bus import MAX_NESTING, too_deep
+from tangram.bus import MAX_VALUE_NESTING, too_deep
 from tangram.contract import ErrorKind, Outcome, ServiceSpec
 
 HINT: Final = "raise the service's max_output_bytes (up to 256 KiB) or return less"
-# An output travels inside a completion, then a result, each nesting it a few levels deeper;
-# the bus refuses any message nested past MAX_NESTING.
-MAX_OUTPUT_NESTING: Final = MAX_NESTING - 8
 
 
 def outcome_of(
@@ -34,10 +31,10 @@ def _output(out: Output, spec: ServiceSpec) -> Outcome:
     except Exception as exc:  # TypeError, OverflowError; RecursionError when nested too deep
         why = f"service {spec.name}: the handler's output is not a msgpack value: {exc}"
         return Outcome(exit_code=1, detail=why, stderr=why)
-    if too_deep(encoded, MAX_OUTPUT_NESTING):  # the bus would refuse its completion forever
+    if too_deep(encoded, MAX_VALUE_NESTING):  # the bus would refuse its completion forever
         why = (
             f"service {spec.name}: the handler's output nests containers deeper than "
-            f"{MAX_OUTPUT_NESTING} levels (what the messages carrying it allow)"
+            f"{MAX_VALUE_NESTING} levels (what the messages carrying it allow)"
         )
         return Outcome(exit_code=1, detail=why, stderr=why)
     size = len(encoded)

@@ -23,7 +23,7 @@ on whatever device the model is on and returns one output per payload, in order.
 
 The handle receives a batch (dynamic batching coalesces concurrent calls) and runs under
 ``torch.inference_mode()``; outputs must be msgpack-able values, nested at most 24
-containers deep (``outcomes.MAX_OUTPUT_NESTING``: the messages carrying them nest too). The
+containers deep (``tangram.bus.MAX_VALUE_NESTING``: the messages carrying them nest too). The
 model's state must live in parameters and buffers (plain tensor attributes are not moved); a
 buffer the handle adds (a cache built on first use) counts in the service's measured footprint
 from its first pass on.

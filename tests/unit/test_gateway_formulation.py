@@ -6,11 +6,11 @@ import pytest
 
 from services.gateway.formulation import (
     CPU,
-    MAX_PAYLOAD_NESTING,
     Limits,
     check_reply_subject,
     formulate,
 )
+from tangram.bus import MAX_VALUE_NESTING
 from tangram.contract import ActionSpec, ExecAction, InferAction
 from tangram.errors import InvalidRequest
 
@@ -108,6 +108,6 @@ def test_an_infer_payload_nested_deeper_than_a_dispatch_carries_is_refused():
         action = InferAction(service="judge", payload=nested(depth))
         return ActionSpec(action_id="a", job_id="j", trajectory_id="", action=action)
 
-    formulate(spec(MAX_PAYLOAD_NESTING), now=0.0, limits=Limits())
+    formulate(spec(MAX_VALUE_NESTING), now=0.0, limits=Limits())
     with pytest.raises(InvalidRequest, match="payload nests containers deeper"):
-        formulate(spec(MAX_PAYLOAD_NESTING + 1), now=0.0, limits=Limits())
+        formulate(spec(MAX_VALUE_NESTING + 1), now=0.0, limits=Limits())

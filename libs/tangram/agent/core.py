@@ -173,7 +173,6 @@ class _Active:
 
 
 REFUSED = "the scheduler refused this action's completion"
-REFUSED_WHY_CHARS = 300
 
 
 @dataclass
@@ -487,14 +486,14 @@ class AgentCore:
         if old.failure is ErrorKind.INTERNAL and old.detail.startswith(REFUSED):
             del self.unacked[action_id]
             return
-        detail = f"{REFUSED}: {why[:REFUSED_WHY_CHARS]}"
         plain = Outcome(
             failure=ErrorKind.INTERNAL,
-            detail=detail,
+            detail=f"{REFUSED}: {why}",
             started_at=old.started_at,
             finished_at=old.finished_at,
         )
-        entry.completion = msgspec.structs.replace(entry.completion, outcome=plain)
+        plain_one = msgspec.structs.replace(entry.completion, outcome=plain)
+        entry.completion = fit_completion(plain_one, self.cfg.completion_budget)
         entry.in_flight = max(0, entry.in_flight - 1)
 
     def undelivered(self, action_id: str) -> None:
