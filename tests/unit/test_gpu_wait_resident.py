@@ -81,6 +81,31 @@ def test_the_kth_queued_call_restores_once_the_wait_behind_the_copy_exceeds_it()
     assert list(c.queue) == ["b", "c"]
 
 
+def test_on_a_contended_pool_a_call_waits_rather_than_restore_a_little_sooner() -> None:
+    """As ``test_a_restore_sooner_than_the_wait_is_taken``, but four RIVAL calls queue for the
+    two free GPUs: b's restore would take a GPU they need, so it counts twice (ends at
+    0.1 + 2 x 0.5 + 1 = 2.1, after the copy's 2.0): b waits for the copy, the rivals get the
+    free GPUs."""
+    c = core(gpus=3, restore_s=0.5)
+    c.enqueue(call("a"), 0.0)
+    starts(c.schedule(0.0))
+    c.enqueue(call("b", now=0.1), 0.1)
+    for aid in ("r1", "r2", "r3", "r4"):
+        c.enqueue(call(aid, "rival", now=0.1), 0.1)
+    started = {s.action.spec.action_id: s.gpus for s in starts(c.schedule(0.1))}
+    assert "b" not in started
+    assert sorted(started.values()) == [(1,), (2,)]
+    assert "b" in c.queue
+
+
+def test_a_restore_counts_more_only_while_other_services_want_the_free_gpus() -> None:
+    assert gpu_wait.restore_weight(rivals=0, free_gpus=4) == 1.0
+    assert gpu_wait.restore_weight(rivals=4, free_gpus=4) == 1.0  # room for every rival
+    assert gpu_wait.restore_weight(rivals=6, free_gpus=2) == 3.0
+    assert gpu_wait.restore_weight(rivals=10, free_gpus=0) == 1.0 + gpu_wait.MAX_EXTRA_RESTORES
+    assert gpu_wait.restore_weight(rivals=10**6, free_gpus=3) == 1.0 + gpu_wait.MAX_EXTRA_RESTORES
+
+
 def test_a_free_resident_copy_takes_one_call_and_the_next_waits_behind_it() -> None:
     """Two calls, the copy free on GPU 0: the first takes it; the second would end at 2 behind
     it, a restore at 3 + 1: it waits rather than restoring beside the copy."""

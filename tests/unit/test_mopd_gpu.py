@@ -153,3 +153,21 @@ def test_a_simulated_restore_is_the_cores_price_for_the_chunks_links(
     facts = pooled.core.nodes["g0"].gpu
     assert facts is not None
     assert len(set(facts.links)) == links
+
+
+def test_the_ideal_pool_runs_every_call_at_dop_1_and_never_before_it_arrives() -> None:
+    from services.scheduler.sim.mopd_baselines import run_ideal
+
+    cfg = replace(w.Config(), batch=256, gpus=4)
+    calls = w.workload(cfg)
+    fcfs, sjf = run_ideal(cfg, calls), run_ideal(cfg, calls, shortest_first=True)
+    for out in (fcfs, sjf):
+        assert out.served == len(calls)
+        assert out.restores == 0
+        assert set(out.dops) == {1}
+        assert all(out.act_s[c.trajectory] >= c.teacher.t1_s - 1e-9 for c in calls)
+    assert sjf.mean_act() < fcfs.mean_act()  # loaded: shortest first lowers the mean
+    roomy = replace(cfg, gpus=len(calls))  # a GPU each: no call waits
+    assert run_ideal(roomy, calls).mean_act() == pytest.approx(
+        sum(c.teacher.t1_s for c in calls) / len(calls)
+    )

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from services.gateway.formulation import formulate_infer
 from services.scheduler.core import gpu, gpu_sched
+from services.scheduler.core.books import GpuFacts
 from services.scheduler.core.effects import Finish, PrepareOnNode, ServiceSettled, StartOnNode
 from services.scheduler.core.scheduler import CoreConfig, SchedulerCore
 from services.scheduler.policies.spec import make_policy
@@ -123,6 +124,32 @@ def test_pick_takes_smallest_level_then_the_resident_chunk() -> None:
     assert gpu.pick(full, 2, frozenset({6, 7})) == gpu.Chunk(6, 2)  # the one caching it
     assert gpu.pick(chunks, 1, frozenset({5})) == gpu.Chunk(5, 1)  # warm beats a whole chunk
     assert gpu.pick(full, 2, frozenset({1, 2})) == gpu.Chunk(0, 2)  # no copy spans 1-2
+
+
+def test_a_restore_lands_where_it_evicts_the_least_of_what_is_in_demand() -> None:
+    """Four free GPUs: 0 holds a copy of a queued service, 1 a larger one of an idle service,
+    2 a small idle one, 3 nothing. A restore of another service picks 3 (evicts nothing), then
+    2, then 1 (idle copies only), then 0; without ``held`` the buddy rule's first chunk."""
+    facts = GpuFacts(
+        gpus=(0, 1, 2, 3),
+        restore_gb_per_s=2.0,
+        services={
+            ("busy", 1): PreparedService(name="busy", footprint_mb=1000, resident=(0,)),
+            ("idle", 1): PreparedService(name="idle", footprint_mb=4000, resident=(1,)),
+            ("tiny", 1): PreparedService(name="tiny", footprint_mb=100, resident=(2,)),
+            ("down", 1): PreparedService(name="down", error="no", resident=(3,)),
+        },
+    )
+    held = gpu.cached(facts, {"busy"}.__contains__)
+    assert held == [(1000.0, 1000.0), (0.0, 4000.0), (0.0, 100.0), (0.0, 0.0)]
+    none: frozenset[int] = frozenset()
+    chunks = gpu.free_chunks([True] * 4)
+    assert gpu.pick(chunks, 1, none, held) == gpu.Chunk(3, 1)
+    assert gpu.pick(gpu.free_chunks([True, True, True, False]), 1, none, held) == gpu.Chunk(2, 1)
+    assert gpu.pick(gpu.free_chunks([True, True, False, False]), 1, none, held) == gpu.Chunk(1, 1)
+    assert gpu.pick(chunks, 2, none, held) == gpu.Chunk(2, 2)  # the pair without "busy"
+    assert gpu.pick(chunks, 1, none) == gpu.Chunk(0, 1)
+    assert gpu.pick(chunks, 1, frozenset({0}), held) == gpu.Chunk(0, 1)  # resident still first
 
 
 def test_hrrs_score_favours_no_setup_and_ages() -> None:
@@ -483,3 +510,17 @@ def test_status_counts_a_gpu_nodes_gpus_in_use() -> None:
     (run,) = starts(core.schedule(0.0))
     (row,) = status_reply(core, 1, 0.0).node_rows
     assert (row.gpus, row.free_gpus) == (8, 8 - len(run.gpus))
+
+
+def test_a_call_goes_to_the_node_with_a_free_copy_at_any_of_its_dops() -> None:
+    """JUDGE's DoP-2 variant is resident on g1's free GPUs 0-1; g0 has more free GPUs and no
+    copy. The call runs on g1's copy (no restore), not restored on g0 because its smallest
+    variant (DoP 1) is resident nowhere."""
+    slow = DurationHint(t_ori_s=1.0, parallel_fraction=0.5)
+    c = core_with(
+        gpu_report("g0", gpus=8, services=prepared()),
+        gpu_report("g1", gpus=2, services=prepared(resident={2: (0, 1)})),
+    )
+    c.enqueue(infer("a", hint=slow), 0.0)
+    (a,) = starts(c.schedule(0.0))
+    assert (a.node_id, a.gpus) == ("g1", (0, 1))

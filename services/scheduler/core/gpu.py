@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from services.scheduler.core.books import GpuFacts, Node
@@ -76,15 +76,51 @@ def candidates(chunks: Sequence[Chunk], units: int) -> list[Chunk]:
     ]
 
 
-def pick(chunks: Sequence[Chunk], units: int, resident: frozenset[int]) -> Chunk | None:
+def pick(
+    chunks: Sequence[Chunk],
+    units: int,
+    resident: frozenset[int],
+    held: Sequence[tuple[float, float]] = (),
+) -> Chunk | None:
     """The chunk a grant of ``units`` gets: one that holds the service already (all its
     positions in ``resident``) if any is free, at any level (a restore costs more than
-    a split); else the buddy rule (the smallest level that holds it)."""
+    a split); else the buddy rule (the smallest level that holds it), and among the chunks
+    of that level the one whose copies a restore would cost least to lose (``held``, per
+    position: ``(in demand, all)`` as ``cached`` counts them; none given: the first)."""
     for chunk in _aligned(chunks, 1 << chunk_level(units)):
         if resident.issuperset(chunk.positions()):
             return chunk  # no restore: worth more than keeping a larger chunk whole
     cands = candidates(chunks, units)
-    return cands[0] if cands else None
+    if not cands or not held:
+        return cands[0] if cands else None
+    return min(cands, key=lambda c: _loss(held, c))  # min keeps the first of equals
+
+
+def _loss(held: Sequence[tuple[float, float]], chunk: Chunk) -> tuple[float, float]:
+    hot = sum(held[p][0] for p in chunk.positions() if p < len(held))
+    every = sum(held[p][1] for p in chunk.positions() if p < len(held))
+    return hot, every
+
+
+def cached(facts: GpuFacts, hot: Callable[[str], bool]) -> list[tuple[float, float]]:
+    """Per position, what a restore there may evict: the MiB of the copies it holds (a copy's
+    share of its variant's footprint, what it would cost to restore that share again), of
+    services ``hot`` (calls queued or running: their copies would be restored again soon)
+    and of all. An eviction-on-execution node frees the least recently used copies of a
+    device to make room (§5.3), so a restore onto the chunk holding the least of what is in
+    demand keeps the copies the next calls will look for (Figure 8(b): restores fall)."""
+    at = {g: p for p, g in enumerate(facts.gpus)}
+    out = [(0.0, 0.0)] * len(facts.gpus)
+    for (name, dop), entry in facts.services.items():
+        if entry.error or not entry.resident:
+            continue
+        share = entry.footprint_mb / max(1, dop)
+        warm = share if hot(name) else 0.0
+        for g in entry.resident:
+            p = at.get(g)
+            if p is not None:
+                out[p] = (out[p][0] + warm, out[p][1] + share)
+    return out
 
 
 def _aligned(chunks: Sequence[Chunk], size: int) -> list[Chunk]:

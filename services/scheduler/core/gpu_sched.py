@@ -40,6 +40,7 @@ the agent restarts (a new incarnation starts with every GPU it lists up).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Literal
@@ -136,6 +137,9 @@ class GpuScheduler:
         self._stale: set[str] = set()
         self._failed_on: set[str] | None = None  # the GPU nodes _failed was computed over
         self._shared: dict[tuple[str, tuple[int, ...]], gpu.Shared] = {}  # busy chunks
+        self._hot: set[str] = set()  # per pass: the services with calls queued or running
+        self._queued: Counter[str] = Counter()  # per pass: calls queued per service
+        self._freed = 0  # per pass: the usable free GPUs of the live GPU nodes
         self._copies = gpu_wait.Copies({}, 0.0)  # per pass: where each service is resident
         self._ends: dict[str, float] = {}  # a dispatched call -> its predicted end
         self._chunk_ends: dict[tuple[str, tuple[int, ...]], float] = {}  # per pass, busy chunks
@@ -253,6 +257,9 @@ class GpuScheduler:
                 effects += fail
             else:
                 servable.append(act)
+        self._hot = {service_of(a) for a in servable} | {
+            service_of(r.action) for r in self.core.running.values()
+        }
         self._shared = gpu_share.occupancy(
             self.core.running.values(), self.core.killed.values(), self.core.nodes
         )
@@ -260,6 +267,8 @@ class GpuScheduler:
         self._free = {n.node_id: gpu.free_chunks(gpu.usable(_facts(n), n.free)) for n in live}
         self._costs = {}
         self._chunk_ends = {}
+        self._freed = sum(sum(gpu.usable(_facts(n), n.free)) for n in live)
+        self._queued = Counter(service_of(a) for a in servable)
         self._copies = gpu_wait.Copies({n.node_id: self._times(n, now) for n in live}, now)
         rest: list[UnifiedAction] = []
         behind: dict[str, list[UnifiedAction]] = {}  # node -> calls waiting for its copies
@@ -354,7 +363,9 @@ class GpuScheduler:
             for d in allowed[n.node_id]
         }
         max_batch = self.services[name].max_batch
-        return self._copies.waits(name, allowed, exec_s, restore, max_batch)
+        rivals = sum(self._queued.values()) - self._queued[name]
+        weight = gpu_wait.restore_weight(rivals, self._freed)
+        return self._copies.waits(name, allowed, exec_s, restore, max_batch, weight)
 
     def _times(self, node: Node, now: float) -> gpu_wait.NodeTimes:
         """When each GPU of ``node`` frees: its calls' predicted ends (``_end``)."""
@@ -441,7 +452,7 @@ class GpuScheduler:
             dops = self._dops(act, node)
             if not dops:
                 continue
-            warm = self._cost(node, service_of(act), dops[0]) == 0.0
+            warm = any(self._cost(node, service_of(act), d) == 0.0 for d in dops)
             fits = budget[node.node_id] >= dops[0]
             key = (int(fits and warm), int(fits), budget[node.node_id], node.node_id)
             if best is None or key[:3] > best[:3]:
@@ -541,7 +552,8 @@ class GpuScheduler:
         facts = _facts(node)
         name = service_of(group[0])
         chunks = gpu.free_chunks(gpu.usable(facts, node.free))
-        chunk = gpu.pick(chunks, units, gpu.resident_positions(facts, name, units))
+        held = gpu.cached(facts, self._hot.__contains__)
+        chunk = gpu.pick(chunks, units, gpu.resident_positions(facts, name, units), held)
         if chunk is None:  # the policy arranged what the chunks cannot hold: wait
             return []
         gpus = gpu.gpus_of(facts, chunk)

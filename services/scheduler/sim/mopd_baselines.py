@@ -54,6 +54,37 @@ def run_dedicated(cfg: Config, calls: list[Call]) -> Outcomes:
     return out
 
 
+def run_ideal(cfg: Config, calls: list[Call], shortest_first: bool = False) -> Outcomes:
+    """An ideal pool, against which the pooled policies' GPU counts are read: every teacher
+    resident on each of ``cfg.gpus`` GPUs at once (no restore, no memory limit), each call at
+    DoP 1 (the least GPU time, Amdahl), on the GPU that frees first; in arrival order, or
+    (``shortest_first``) the shortest queued call first whenever a GPU frees (non-preemptive
+    SJF). A real pool pays restores and keeps a few copies per GPU, so it needs at least about
+    as many GPUs for the same ACT (``bench/fig8b.py``'s ``ideal_pool_at_1024``)."""
+    out = Outcomes(len(calls))
+    free = [0.0] * cfg.gpus
+    if not shortest_first:
+        for c in calls:
+            start = max(heapq.heappop(free), c.at)
+            heapq.heappush(free, start + c.teacher.t1_s)
+            out.add(c, start + c.teacher.t1_s, c.teacher.t1_s, 0.0, 1)
+        return out
+    queue: list[tuple[float, int, Call]] = []
+    arriving = deque(calls)
+    now = 0.0  # decisions in time order: a GPU free earlier takes a call from now on
+    while arriving or queue:
+        now = max(now, heapq.heappop(free))
+        if not queue:  # idle until the next arrival
+            now = max(now, arriving[0].at)
+        while arriving and arriving[0].at <= now:
+            c = arriving.popleft()
+            heapq.heappush(queue, (c.teacher.t1_s, len(arriving), c))
+        _, _, c = heapq.heappop(queue)
+        heapq.heappush(free, now + c.teacher.t1_s)
+        out.add(c, now + c.teacher.t1_s, c.teacher.t1_s, 0.0, 1)
+    return out
+
+
 def dedicated_gpus(cfg: Config) -> int:
     return sum(max(DEDICATED_TP, t.dops[0]) for t in teachers(cfg))
 
