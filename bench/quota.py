@@ -9,9 +9,11 @@ jobs x 100 concurrent callers each call ``client.http`` in a closed loop, in two
    (target 0), achieved rate vs the limit in the steady window (>= 95%), Jain's fairness of
    the jobs' successful calls (>= 0.95), system overhead per call p50 (client-measured time
    minus quota queueing, including the dispatch to the agent, minus the upstream call itself,
-   <= 2 ms) in the steady window (the first 300 simultaneous submissions queue at the gateway:
-   reported apart, with the whole phase's p50), and where it goes: intake (client -> gateway),
-   agent -> scheduler, scheduler -> client;
+   <= 2 ms) in the steady window: calls done after ``--warmup-s`` that are not a caller's
+   first (the first 300 simultaneous submissions queue at the gateway, then ~6 s at the
+   limit, so most of them end after the warm-up: reported apart, with the whole phase's p50
+   and the p50 of every call done after the warm-up), and where it goes: intake (client ->
+   gateway), agent -> scheduler, scheduler -> client;
 2. the rate declared 2x too high: after ``--converge-s`` the share of calls that saw a 429
    (a retry or a final 429, < 2%), and the rate the limiter learned.
 
@@ -58,6 +60,7 @@ TARGETS = {
 @dataclass
 class Call:
     job: str
+    first: bool  # its caller's first call: one of the phase's simultaneous submissions
     done_at: float  # perf_counter, seconds since the phase began
     status: int  # the final HTTP status (0: the action failed without one)
     tries: int
@@ -123,6 +126,7 @@ class ServerProcess:
 
 
 async def caller(client: Client, url: str, quota: str, job: str, end: float, ph: Phase) -> None:
+    first = True
     while time.perf_counter() < end:
         t0, wall0 = time.perf_counter(), time.time()
         res = await client.http("GET", url, quota=quota, job_id=job, headers={"X-Job": job})
@@ -130,9 +134,9 @@ async def caller(client: Client, url: str, quota: str, job: str, end: float, ph:
         status = res.http.status if res.http else 0
         tries = res.http.tries if res.http else 1
         done_at = time.perf_counter() - ph.started
-        ph.calls.append(
-            Call(job, done_at, status, tries, *_overheads(res.timings, total, wall0, wall1))
-        )
+        overheads = _overheads(res.timings, total, wall0, wall1)
+        ph.calls.append(Call(job, first, done_at, status, tries, *overheads))
+        first = False
 
 
 def _overheads(
@@ -175,9 +179,11 @@ def summary_right(ph: Phase, server: dict[str, Any], args: argparse.Namespace) -
     for c in ph.calls:
         per_job[c.job] = per_job.get(c.job, 0) + (c.status == 200)
     rate = steady_rate(ph, args.warmup_s, args.seconds - 1.0)
-    steady = [c for c in ph.calls if c.done_at >= args.warmup_s and c.overhead_s == c.overhead_s]
+    timed = [c for c in ph.calls if c.overhead_s == c.overhead_s]
+    after_warmup = [c for c in timed if c.done_at >= args.warmup_s]
+    steady = [c for c in after_warmup if not c.first]
     overheads = [c.overhead_s * 1000 for c in steady]
-    everything = [c.overhead_s * 1000 for c in ph.calls if c.overhead_s == c.overhead_s]
+    everything = [c.overhead_s * 1000 for c in timed]
     return {
         "calls": len(ph.calls),
         "server": server,
@@ -189,6 +195,8 @@ def summary_right(ph: Phase, server: dict[str, Any], args: argparse.Namespace) -
         "overhead_p50_ms": pct(overheads, 50),
         "overhead_p99_ms": pct(overheads, 99),
         "overhead_p50_ms_whole_phase": pct(everything, 50),
+        # the steady window's definition until 2026-11 (first calls of the burst included)
+        "overhead_p50_ms_done_after_warmup": pct([c.overhead_s * 1000 for c in after_warmup], 50),
         "overhead_breakdown_p50_ms": {
             "intake_client_to_gateway": pct([c.intake_s * 1000 for c in steady], 50),
             "agent_answer_to_scheduler": pct([c.report_s * 1000 for c in steady], 50),

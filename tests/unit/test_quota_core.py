@@ -379,10 +379,11 @@ def test_respec_keeps_what_was_granted() -> None:
     c = core(QuotaSpec("q", per_second=2))
     for aid in "abc":
         c.enqueue(http(aid), 0.0)
-    assert len(starts(c.schedule(0.0))) == 2
-    c.set_quota(QuotaSpec("q", per_second=3, per_minute=3), 0.1)
-    (s,) = starts(c.schedule(0.1))
-    c.enqueue(http("d"), 0.2)
+    assert len(starts(c.schedule(0.0))) == 1  # three queued for two a second: paced
+    assert len(starts(c.schedule(0.5))) == 1
+    c.set_quota(QuotaSpec("q", per_second=3, per_minute=3), 0.6)
+    (s,) = starts(c.schedule(0.6))
+    c.enqueue(http("d"), 0.7)
     assert starts(c.schedule(2.0)) == []  # per_minute=3 carried the first two grants
     assert s.quota is not None
     assert s.quota.per_minute == 3

@@ -154,3 +154,31 @@ def test_waiting_until_the_answer_then_retrying_is_granted(steps: list[tuple[flo
             now = result.at
             result = lim.try_acquire(n, 0, now)
         lim.release(grant(result), now)
+
+
+def test_a_saturated_window_paces_its_grants_evenly() -> None:
+    """Thirty calls queued for ten a second: one every 0.1 s, not ten at once then one per
+    expiry; the window's own limit still holds."""
+    lim = Limiter(QuotaSpec("q", per_second=10), margin_s=0.0)
+    grant(lim.try_acquire(1, 0, 0.0, queued=30))
+    assert lim.try_acquire(1, 0, 0.0, queued=29) == WaitUntil(0.1, "rate")
+    assert lim.next_free_at(0.05, queued=29) == pytest.approx(0.1)
+    grant(lim.try_acquire(1, 0, 0.1, queued=29))
+    grant(lim.try_acquire(2, 0, 0.2, queued=28))  # two units: the next two paces later
+    assert lim.try_acquire(1, 0, 0.3, queued=26) == WaitUntil(pytest.approx(0.4), "rate")
+
+
+def test_a_window_with_room_for_every_queued_call_grants_them_at_once() -> None:
+    lim = Limiter(QuotaSpec("q", per_second=10), margin_s=0.0)
+    for left in range(10, 0, -1):
+        grant(lim.try_acquire(1, 0, 0.0, queued=left))
+    assert lim.try_acquire(1, 0, 0.0, queued=1) == WaitUntil(math.inf, "rate")  # full
+
+
+def test_day_windows_and_callers_without_a_queue_are_not_paced() -> None:
+    per_day = Limiter(QuotaSpec("q", per_day=1000), margin_s=0.0)
+    for left in range(50, 0, -1):
+        grant(per_day.try_acquire(1, 0, 0.0, queued=left + 2000))
+    per_second = Limiter(QuotaSpec("q", per_second=10), margin_s=0.0)
+    for _ in range(10):
+        grant(per_second.try_acquire(1, 0, 0.0))  # queued unknown (0): as before

@@ -477,7 +477,7 @@ class QuotaCore:
             t
             for q in self.quotas.values()
             if len(q.queue)
-            for t in [q.limiter.next_free_at(now)]
+            for t in [q.limiter.next_free_at(now, len(q.queue))]
             if math.isfinite(t)
         ]
         return min(times, default=None)
@@ -504,7 +504,7 @@ class QuotaCore:
                 break
             got: Grant | WaitUntil | InvalidRequest
             try:
-                got = q.limiter.try_acquire(ask.units, ask.tokens, now)
+                got = q.limiter.try_acquire(ask.units, ask.tokens, now, len(q.queue))
             except InvalidRequest as exc:  # the quota changed under it
                 got = exc
             if isinstance(got, WaitUntil):

@@ -233,7 +233,10 @@ class _Run:
     def _dispatch(self, owner: tuple[str, int], now: float) -> None:
         queue, limiter = self.queues[owner], self.limiters[owner]
         while len(queue):
-            result = limiter.try_acquire(1, 0, now)
+            # Tangram's core paces a saturated window by its queue (quota_limiter); a worker's
+            # own limiter (per_process) knows no queue but its own and grants as it can
+            queued = len(queue) if self.policy == "tangram" else 0
+            result = limiter.try_acquire(1, 0, now, queued)
             if not isinstance(result, Grant):
                 self._wake(owner, result.at)
                 return
