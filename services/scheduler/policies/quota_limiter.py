@@ -19,9 +19,10 @@ While more calls want a request window than it holds (the queued ones beyond wha
 left), its grants are paced: one every ``span / limit`` seconds (``PACED_SPAN_S``: windows of a
 minute at most), instead of all it holds at once and then one per expiry, which replays the
 same burst every window. A saturated quota sends as many calls, evenly: a provider that
-enforces a per-minute limit over shorter periods (as LLM APIs say they may) sees no burst, and
-the mesh handles one call at a time instead of a window's worth together (``bench.quota``: p50
-overhead per call 2.5 -> 1.6 ms). A window with room for every queued call grants them at once.
+enforces its limit over shorter periods, or by a token bucket with a small burst, sees no
+burst, and the mesh handles one call at a time instead of a window's worth together
+(``bench.quota``: p50 overhead per call 2.5 -> 1.4 ms). A window with room for every queued
+call grants them at once.
 
 Tokens are reserved from the caller's estimate at grant time and trued up on release from the
 tokens actually used. A 429 still spends its quota: a retry is a new acquire. The AIMD factor
@@ -222,8 +223,8 @@ class Limiter:
         self, units: int, tokens: int, now: float, queued: int = 0
     ) -> Grant | WaitUntil:
         """A grant of ``units`` requests and ``tokens`` reserved tokens, or when to retry;
-        ``queued``: the units waiting for this quota, these included (paced beyond a window's
-        room: the module docstring)."""
+        ``queued``: the calls waiting for this quota, this one included (paced beyond a
+        window's room: the module docstring; 0, a caller without a queue: never paced)."""
         self._validate(units, tokens)
         waiting = self._wait(units, tokens, now, queued)
         if waiting is not None:
