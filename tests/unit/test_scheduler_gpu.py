@@ -141,7 +141,8 @@ def test_a_restore_lands_where_it_evicts_the_least_of_what_is_in_demand() -> Non
         },
     )
     held = gpu.cached(facts, {"busy"}.__contains__)
-    assert held == [(1000.0, 1000.0), (0.0, 4000.0), (0.0, 100.0), (0.0, 0.0)]
+    assert held.hot == (1000.0, 0.0, 0.0, 0.0)
+    assert held.every == (1000.0, 4000.0, 100.0, 0.0)
     none: frozenset[int] = frozenset()
     chunks = gpu.free_chunks([True] * 4)
     assert gpu.pick(chunks, 1, none, held) == gpu.Chunk(3, 1)

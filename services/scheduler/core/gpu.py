@@ -77,50 +77,59 @@ def candidates(chunks: Sequence[Chunk], units: int) -> list[Chunk]:
 
 
 def pick(
-    chunks: Sequence[Chunk],
-    units: int,
-    resident: frozenset[int],
-    held: Sequence[tuple[float, float]] = (),
+    chunks: Sequence[Chunk], units: int, resident: frozenset[int], held: Held | None = None
 ) -> Chunk | None:
     """The chunk a grant of ``units`` gets: one that holds the service already (all its
     positions in ``resident``) if any is free, at any level (a restore costs more than
     a split); else the buddy rule (the smallest level that holds it), and among the chunks
-    of that level the one whose copies a restore would cost least to lose (``held``, per
-    position: ``(in demand, all)`` as ``cached`` counts them; none given: the first)."""
+    of that level the best by ``held.rank`` (none given: the first)."""
     for chunk in _aligned(chunks, 1 << chunk_level(units)):
         if resident.issuperset(chunk.positions()):
             return chunk  # no restore: worth more than keeping a larger chunk whole
     cands = candidates(chunks, units)
-    if not cands or not held:
+    if not cands or held is None:
         return cands[0] if cands else None
-    return min(cands, key=lambda c: _loss(held, c))  # min keeps the first of equals
+    return min(cands, key=held.rank)  # min keeps the first of equals
 
 
-def _loss(held: Sequence[tuple[float, float]], chunk: Chunk) -> tuple[float, float]:
-    hot = sum(held[p][0] for p in chunk.positions() if p < len(held))
-    every = sum(held[p][1] for p in chunk.positions() if p < len(held))
-    return hot, every
+@dataclass(frozen=True, slots=True)
+class Held:
+    """What a restore onto a chunk of a node costs besides its own bytes, per position: the
+    MiB of copies of services in demand (``hot``) and of all (``every``) that it may evict,
+    and the host link each device restores through."""
+
+    hot: tuple[float, ...]
+    every: tuple[float, ...]
+    links: tuple[int, ...]
+
+    def rank(self, chunk: Chunk) -> tuple[int, float, float]:
+        """Sooner restored first (its busiest link carries the fewest slices), then the
+        fewest MiB of in-demand copies evicted, then of any copies."""
+        pos = [p for p in chunk.positions() if p < len(self.hot)]
+        busiest = max(Counter(_links_of(self.links, chunk)).values())
+        return busiest, sum(self.hot[p] for p in pos), sum(self.every[p] for p in pos)
 
 
-def cached(facts: GpuFacts, hot: Callable[[str], bool]) -> list[tuple[float, float]]:
-    """Per position, what a restore there may evict: the MiB of the copies it holds (a copy's
+def cached(facts: GpuFacts, hot: Callable[[str], bool]) -> Held:
+    """What a restore on each position may evict: the MiB of the copies it holds (a copy's
     share of its variant's footprint, what it would cost to restore that share again), of
     services ``hot`` (calls queued or running: their copies would be restored again soon)
     and of all. An eviction-on-execution node frees the least recently used copies of a
-    device to make room (§5.3), so a restore onto the chunk holding the least of what is in
-    demand keeps the copies the next calls will look for (Figure 8(b): restores fall)."""
+    device to make room (§5.3), so among chunks as quick to restore onto, the one holding
+    the least of what is in demand keeps the copies the next calls will look for (Figure
+    8(b): restores fall)."""
     at = {g: p for p, g in enumerate(facts.gpus)}
-    out = [(0.0, 0.0)] * len(facts.gpus)
+    warm, every = [0.0] * len(facts.gpus), [0.0] * len(facts.gpus)
     for (name, dop), entry in facts.services.items():
         if entry.error or not entry.resident:
             continue
         share = entry.footprint_mb / max(1, dop)
-        warm = share if hot(name) else 0.0
         for g in entry.resident:
             p = at.get(g)
             if p is not None:
-                out[p] = (out[p][0] + warm, out[p][1] + share)
-    return out
+                every[p] += share
+                warm[p] += share if hot(name) else 0.0
+    return Held(tuple(warm), tuple(every), facts.links)
 
 
 def _aligned(chunks: Sequence[Chunk], size: int) -> list[Chunk]:
@@ -204,7 +213,7 @@ def grant_cost(facts: GpuFacts, chunks: Sequence[Chunk], service: str, dop: int)
     """The restore part of a grant's duration: 0 when the chunk the buddy rule would pick
     holds the service already."""
     resident = resident_positions(facts, service, dop)
-    chunk = pick(chunks, dop, resident)
+    chunk = pick(chunks, dop, resident, _links_only(facts))  # as quick to restore as a grant's
     if chunk is not None and resident.issuperset(chunk.positions()):
         return 0.0
     return restore_s(facts, service, dop, chunk)
@@ -235,3 +244,9 @@ def hrrs_score(wait_s: float, exec_s: float, setup_s: float) -> float:
 
 def is_gpu(node: Node) -> bool:
     return node.gpu is not None
+
+
+def _links_only(facts: GpuFacts) -> Held:
+    """A ``Held`` that ranks chunks by how quick a restore onto them is, and nothing else."""
+    none = (0.0,) * len(facts.gpus)
+    return Held(none, none, facts.links)

@@ -139,6 +139,7 @@ class GpuScheduler:
         self._shared: dict[tuple[str, tuple[int, ...]], gpu.Shared] = {}  # busy chunks
         self._hot: set[str] = set()  # per pass: the services with calls queued or running
         self._queued: Counter[str] = Counter()  # per pass: calls queued per service
+        self._queued_total = 0
         self._freed = 0  # per pass: the usable free GPUs of the live GPU nodes
         self._copies = gpu_wait.Copies({}, 0.0)  # per pass: where each service is resident
         self._ends: dict[str, float] = {}  # a dispatched call -> its predicted end
@@ -269,6 +270,7 @@ class GpuScheduler:
         self._chunk_ends = {}
         self._freed = sum(sum(gpu.usable(_facts(n), n.free)) for n in live)
         self._queued = Counter(service_of(a) for a in servable)
+        self._queued_total = len(servable)
         self._copies = gpu_wait.Copies({n.node_id: self._times(n, now) for n in live}, now)
         rest: list[UnifiedAction] = []
         behind: dict[str, list[UnifiedAction]] = {}  # node -> calls waiting for its copies
@@ -363,7 +365,7 @@ class GpuScheduler:
             for d in allowed[n.node_id]
         }
         max_batch = self.services[name].max_batch
-        rivals = sum(self._queued.values()) - self._queued[name]
+        rivals = self._queued_total - self._queued[name]
         weight = gpu_wait.restore_weight(rivals, self._freed)
         return self._copies.waits(name, allowed, exec_s, restore, max_batch, weight)
 
@@ -452,7 +454,10 @@ class GpuScheduler:
             dops = self._dops(act, node)
             if not dops:
                 continue
-            warm = any(self._cost(node, service_of(act), d) == 0.0 for d in dops)
+            # a free copy at any DoP the policy may grant (one without chunk arrangement
+            # grants the smallest)
+            tried = dops if self.chunks is not None else dops[:1]
+            warm = any(self._cost(node, service_of(act), d) == 0.0 for d in tried)
             fits = budget[node.node_id] >= dops[0]
             key = (int(fits and warm), int(fits), budget[node.node_id], node.node_id)
             if best is None or key[:3] > best[:3]:

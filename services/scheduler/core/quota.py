@@ -26,6 +26,7 @@ the real send); a call whose send is unknown (lost, redone, a lease) counts from
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import msgspec
 
@@ -84,6 +85,9 @@ class QuotaCore:
         self.quotas: dict[str, Quota] = {}
         self.agents: dict[str, Agent] = {}
         self.waiting: dict[str, UnifiedAction] = {}
+        # per quota: the units its waiting actions ask (the fair queues also hold the entries
+        # of cancelled and timed-out ones until they come up: they must not pace the others)
+        self._asked: Counter[str] = Counter()
         self.calls: dict[str, Call] = {}
         self.killed: dict[str, Call] = {}  # ended at their kill deadline, unit still held
         self.leases: dict[str, Lease] = {}
@@ -158,10 +162,23 @@ class QuotaCore:
         return []
 
     def _wait(self, action: UnifiedAction) -> None:
+        ask = ask_of(action)
+        if ask is not None and action.spec.action_id not in self.waiting:
+            self._asked[ask.quota] += ask.units
         self.waiting[action.spec.action_id] = action
         limit = action.spec.queue_timeout_s
         if limit is not None:
             self._timeouts.add(action.submitted_at + limit, action.spec.action_id)
+
+    def _unwait(self, action_id: str) -> UnifiedAction | None:
+        """Take a waiting action out (granted, cancelled, timed out)."""
+        action = self.waiting.pop(action_id, None)
+        ask = None if action is None else ask_of(action)
+        if ask is not None:
+            self._asked[ask.quota] -= ask.units
+            if self._asked[ask.quota] <= 0:
+                del self._asked[ask.quota]
+        return action
 
     def _refusal(self, name: str, units: int, tokens: int) -> str:
         q = self.quotas.get(name)
@@ -388,7 +405,7 @@ class QuotaCore:
     def cancel(
         self, action_id: str, now: float, why: str = "cancelled by the client"
     ) -> list[Effect]:
-        action = self.waiting.pop(action_id, None)
+        action = self._unwait(action_id)
         if action is not None:  # its fair-queue entry is skipped when it comes up
             return self._finish(action, verdict(action, ErrorKind.CANCELLED, why, now=now))
         call = self.calls.get(action_id)
@@ -438,7 +455,7 @@ class QuotaCore:
             if not now - act.submitted_at > limit:  # due to the float, not yet past it
                 self._timeouts.add(at, aid)
                 continue
-            del self.waiting[aid]
+            self._unwait(aid)
             why = f"waited more than {limit}s for its quota"
             effects += self._finish(act, verdict(act, ErrorKind.QUEUE_TIMEOUT, why, now=now))
         self._timeouts.keep(self.waiting.__contains__, 2 * len(self.waiting) + STALE_DEADLINES)
@@ -477,7 +494,7 @@ class QuotaCore:
             t
             for q in self.quotas.values()
             if len(q.queue)
-            for t in [q.limiter.next_free_at(now, len(q.queue))]
+            for t in [q.limiter.next_free_at(now, self._asked[q.spec.name])]
             if math.isfinite(t)
         ]
         return min(times, default=None)
@@ -504,13 +521,13 @@ class QuotaCore:
                 break
             got: Grant | WaitUntil | InvalidRequest
             try:
-                got = q.limiter.try_acquire(ask.units, ask.tokens, now, len(q.queue))
+                got = q.limiter.try_acquire(ask.units, ask.tokens, now, self._asked[q.spec.name])
             except InvalidRequest as exc:  # the quota changed under it
                 got = exc
             if isinstance(got, WaitUntil):
                 break
             q.queue.pop()
-            del self.waiting[action.spec.action_id]
+            self._unwait(action.spec.action_id)
             effects += self._start(q, action, got, agent, now)
         return effects
 

@@ -15,12 +15,12 @@ provider's arrival stamp (network, its own queue). The log holds one entry per g
 ``per_day`` quotas of up to ~1e6 a day fit. A release without a send time (a lost agent, a
 lease) settles at the release: the call may have been sent until then.
 
-While more calls want a request window than it holds (the queued ones beyond what it has
-left), its grants are paced: one every ``span / limit`` seconds (``PACED_SPAN_S``: windows of a
-minute at most), instead of all it holds at once and then one per expiry, which replays the
-same burst every window. A saturated quota sends as many calls, evenly: a provider that
-enforces its limit over shorter periods, or by a token bucket with a small burst, sees no
-burst, and the mesh handles one call at a time instead of a window's worth together
+While the waiting actions ask more units of a request window than it has left, its grants are
+paced: one unit every ``span / limit`` seconds (``PACED_SPAN_S``: windows of a minute at most;
+never slower than one per window), instead of all it holds at once and then one per expiry,
+which replays the same burst every window. A saturated quota sends as many calls, evenly: a
+provider that enforces its limit over shorter periods, or by a token bucket with a small burst,
+sees no burst, and the mesh handles one call at a time instead of a window's worth together
 (``bench.quota``: p50 overhead per call 2.5 -> 1.4 ms). A window with room for every queued
 call grants them at once.
 
@@ -92,8 +92,8 @@ class Window:
 
     def wait(self, amount: float, now: float, factor: float, queued: int = 0) -> float | None:
         """When ``amount`` would fit (None: it fits now; ``inf``: only after a release), with
-        ``queued`` calls waiting for this window (this one included): paced when they are
-        more than it holds (the module docstring)."""
+        ``queued`` units waiting for this window (these included): paced when they are more
+        than it holds (the module docstring)."""
         self._expire(now)
         cap = self.limit * factor
         if self.used + amount <= cap or not (self._log or self._open):
@@ -115,7 +115,8 @@ class Window:
 
     def pace(self, amount: float, now: float, factor: float) -> None:
         """A grant of ``amount`` made at ``now``: a paced one follows ``amount`` paces later."""
-        self.paced_until = now + amount * self.span_s / max(self.limit * factor, 1e-9)
+        # never slower than the one request an empty window always admits
+        self.paced_until = now + amount * self.span_s / max(self.limit * factor, 1.0)
 
     def settle(self, grant: int, at: float, now: float, amount: float | None = None) -> None:
         """The grant's call was sent at ``at``: it counts until ``at + span + margin``, with
@@ -139,6 +140,7 @@ class Window:
             self._insert(_Entry(entry.at, entry.amount, entry.grant))
         for grant, entry in source._open.items():
             self.add(grant, entry.amount)
+        self.paced_until = max(self.paced_until, source.paced_until)
 
     def _insert(self, entry: _Entry) -> None:
         # Sends settle nearly in time order: walk back from the newest to keep the log sorted.
@@ -223,8 +225,8 @@ class Limiter:
         self, units: int, tokens: int, now: float, queued: int = 0
     ) -> Grant | WaitUntil:
         """A grant of ``units`` requests and ``tokens`` reserved tokens, or when to retry;
-        ``queued``: the calls waiting for this quota, this one included (paced beyond a
-        window's room: the module docstring; 0, a caller without a queue: never paced)."""
+        ``queued``: the units the actions waiting for this quota ask, these included (paced
+        beyond a window's room: the module docstring; 0, a caller without a queue: never)."""
         self._validate(units, tokens)
         waiting = self._wait(units, tokens, now, queued)
         if waiting is not None:
@@ -272,8 +274,8 @@ class Limiter:
         self.adaptive.on_hints(hints, now)
 
     def next_free_at(self, now: float, queued: int = 0) -> float:
-        """The earliest time one unit without tokens could be granted with ``queued`` waiting
-        (``inf``: on a release)."""
+        """The earliest time one unit without tokens could be granted with ``queued`` units
+        waiting (``inf``: on a release)."""
         waiting = self._wait(1, 0, now, queued)
         return now if waiting is None else waiting.at
 
