@@ -14,8 +14,9 @@ from typing import Any, TypeVar
 import asyncpg
 import msgspec
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
-from tangram import auth, db
+from tangram import auth, db, subjects
 from tangram.bus import Bus, _Nats
 from tangram.client import Client
 from tangram.contract import (
@@ -24,14 +25,40 @@ from tangram.contract import (
     Commands,
     Completions,
     ExecAction,
+    GatewayRequest,
     NodeCommand,
     NodeMessage,
     codec,
+    encode,
 )
 from tangram.embedded import EmbeddedPostgres
 from tangram.launcher import Mesh, MeshOptions
 
 T = TypeVar("T")
+
+
+class FakeGateway:
+    """A stand-in on the gateway's subject for client tests: each request decoded and kept in
+    ``seen`` (in arrival order), then answered with what ``reply`` returns (None: left
+    unanswered, as an overloaded gateway would)."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.seen: list[GatewayRequest] = []
+
+    async def start(self) -> None:
+        await self.bus.nc.subscribe(subjects.GATEWAY.subject, cb=self._on_msg)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        req = codec.decode(msg.data, GatewayRequest)
+        self.seen.append(req)
+        answer = await self.reply(req)
+        if answer is not None:
+            await msg.respond(encode(answer))
+
+    async def reply(self, req: GatewayRequest) -> msgspec.Struct | None:
+        raise NotImplementedError
+
 
 FAST_SERVICES = {
     "TANGRAM_SCHEDULER_NODE_TIMEOUT_S": "3",

@@ -21,6 +21,7 @@ from tangram.client import Client, SyncClient
 from tangram.contract import (
     Accepted,
     ActionResult,
+    ErrorReply,
     GatewayRequest,
     GetResult,
     Pending,
@@ -29,12 +30,11 @@ from tangram.contract import (
     SubmitMany,
     Submitted,
     codec,
-    encode,
 )
 from tangram.errors import Busy
 from tangram.launcher import Mesh
 
-from ..support import eventually, exec_spec, running_mesh
+from ..support import FakeGateway, eventually, exec_spec, running_mesh
 
 FLOOR = 4  # the gateway's bound here: 4 accepted-but-unfinished actions (no rate can raise it)
 ADMISSION_ENV = {
@@ -46,24 +46,21 @@ ADMISSION_ENV = {
 # ----------------------------------------------------------------------------- client only
 
 
-class BusyGateway:
-    """Answers submits on the gateway subject with ``busy`` ``refusals`` times, then accepts."""
+class BusyGateway(FakeGateway):
+    """Answers submits on the gateway subject with ``busy`` ``refusals`` times, then accepts;
+    ``times``: when each request came."""
 
     def __init__(self, bus: Bus, refusals: int, retry_after_s: float) -> None:
-        self.bus, self.refusals, self.retry_after_s = bus, refusals, retry_after_s
-        self.seen: list[float] = []
+        super().__init__(bus)
+        self.refusals, self.retry_after_s = refusals, retry_after_s
+        self.times: list[float] = []
 
-    async def start(self) -> None:
-        await self.bus.nc.subscribe(subjects.GATEWAY.subject, cb=self.on_msg)
-
-    async def on_msg(self, msg: Msg) -> None:
-        self.seen.append(time.monotonic())
-        req = codec.decode(msg.data, Submit)
+    async def reply(self, req: GatewayRequest) -> Accepted | ErrorReply:
+        self.times.append(time.monotonic())
+        assert isinstance(req, Submit), req
         if len(self.seen) <= self.refusals:
-            busy = Busy("the mesh is busy", retry_after_s=self.retry_after_s)
-            await msg.respond(encode(busy.to_reply()))
-        else:
-            await msg.respond(encode(Accepted(action_id=req.spec.action_id)))
+            return Busy("the mesh is busy", retry_after_s=self.retry_after_s).to_reply()
+        return Accepted(action_id=req.spec.action_id)
 
 
 async def test_the_client_retries_busy_after_the_retry_after(raw_bus: Bus, nats_url: str):
@@ -72,7 +69,7 @@ async def test_the_client_retries_busy_after_the_retry_after(raw_bus: Bus, nats_
     async with Client.connect(nats_url) as client:
         ack = await client.submit(exec_spec("c", "a", "true"))
     assert ack.action_id == "c-a"
-    gaps = [b - a for a, b in zip(gateway.seen, gateway.seen[1:], strict=False)]
+    gaps = [b - a for a, b in zip(gateway.times, gateway.times[1:], strict=False)]
     assert len(gaps) == 2
     assert all(g >= 0.3 for g in gaps)  # as asked, never sooner (jitter adds up to 50%)
 
@@ -260,34 +257,27 @@ async def test_resubmitted_finished_actions_do_not_fill_the_bound(small_mesh: Me
         await raw.close()
 
 
-class SlowGateway:
+class SlowGateway(FakeGateway):
     """Holds its first request ``hold_s`` then accepts it, leaves its second unanswered (an
     overloaded gateway), accepts every later one; answers a result query ``busy`` (a gateway
     at capacity: no retry-after) ``refusals`` times, then with the result."""
 
     def __init__(self, bus: Bus, hold_s: float = 0.0, refusals: int = 0) -> None:
-        self.bus, self.hold_s, self.refusals = bus, hold_s, refusals
-        self.seen: list[Any] = []
+        super().__init__(bus)
+        self.hold_s, self.refusals = hold_s, refusals
 
-    async def start(self) -> None:
-        await self.bus.nc.subscribe(subjects.GATEWAY.subject, cb=self.on_msg)
-
-    async def on_msg(self, msg: Msg) -> None:
-        req = codec.decode(msg.data, GatewayRequest)
-        self.seen.append(req)
+    async def reply(self, req: GatewayRequest) -> msgspec.Struct | None:
         if isinstance(req, GetResult):
             if sum(isinstance(r, GetResult) for r in self.seen) <= self.refusals:
-                await msg.respond(encode(Busy("tangram.v1.gateway is at capacity").to_reply()))
-            else:
-                await msg.respond(encode(ActionResult(action_id=req.action_id, status="succeeded")))
-            return
+                return Busy("tangram.v1.gateway is at capacity").to_reply()
+            return ActionResult(action_id=req.action_id, status="succeeded")
         if len(self.seen) == 2:
-            return  # no answer: the try times out
+            return None  # no answer: the try times out
         if len(self.seen) == 1:
-            await asyncio.sleep(self.hold_s)
+            await asyncio.sleep(self.hold_s)  # the slow gateway's own delay, not a test's wait
         items = req.items if isinstance(req, SubmitMany) else (req,)
         answers = tuple(Accepted(action_id=s.spec.action_id) for s in items)
-        await msg.respond(encode(Submitted(items=answers) if len(items) > 1 else answers[0]))
+        return Submitted(items=answers) if len(items) > 1 else answers[0]
 
 
 async def test_a_submit_queued_behind_a_slow_batch_is_still_tried_alone(

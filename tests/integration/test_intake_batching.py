@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from nats.aio.msg import Msg
 
 from tangram import subjects
 from tangram.bus import Bus
@@ -23,13 +22,11 @@ from tangram.contract import (
     Submit,
     SubmitMany,
     Submitted,
-    codec,
-    encode,
 )
 from tangram.errors import Busy, InvalidRequest
 from tangram.launcher import Mesh
 
-from ..support import burst, running_mesh, spying
+from ..support import FakeGateway, burst, running_mesh, spying
 
 
 def spec(aid: str, command: str = "true") -> ActionSpec:
@@ -38,29 +35,19 @@ def spec(aid: str, command: str = "true") -> ActionSpec:
     )
 
 
-class ItemGateway:
+class ItemGateway(FakeGateway):
     """Answers a batch item by item: ``bad`` refused for good, ``late`` busy once."""
 
-    def __init__(self, bus: Bus) -> None:
-        self.bus = bus
-        self.requests: list[GatewayRequest] = []
-
-    async def start(self) -> None:
-        await self.bus.nc.subscribe(subjects.GATEWAY.subject, cb=self.on_msg)
-
-    async def on_msg(self, msg: Msg) -> None:
-        req = codec.decode(msg.data, GatewayRequest)
-        self.requests.append(req)
+    async def reply(self, req: GatewayRequest) -> Submitted | Accepted | ErrorReply:
         items = req.items if isinstance(req, SubmitMany) else (req,)
         answers = [self.answer(one) for one in items if isinstance(one, Submit)]
-        reply = Submitted(items=tuple(answers)) if isinstance(req, SubmitMany) else answers[0]
-        await msg.respond(encode(reply))
+        return Submitted(items=tuple(answers)) if isinstance(req, SubmitMany) else answers[0]
 
     def answer(self, req: Submit) -> Accepted | ErrorReply:
         aid = req.spec.action_id
         if aid == "bad":
             return InvalidRequest("bad is refused").to_reply()
-        if aid == "late" and sum(1 for r in self.requests if _has(r, "late")) == 1:
+        if aid == "late" and sum(1 for r in self.seen if _has(r, "late")) == 1:
             return Busy("busy for the test", retry_after_s=0.2).to_reply()
         return Accepted(action_id=aid)
 
@@ -85,10 +72,10 @@ async def test_each_item_of_a_batch_is_answered_alone(raw_bus: Bus, nats_url: st
     assert isinstance(bad, InvalidRequest)  # refused for good: raised to its caller only
     assert "bad is refused" in bad.message
     assert isinstance(late, Accepted)  # busy once, then retried alone
-    first = gateway.requests[0]
+    first = gateway.seen[0]
     assert isinstance(first, SubmitMany)  # the three left together
     assert [i.spec.action_id for i in first.items] == ["good", "bad", "late"]
-    assert isinstance(gateway.requests[-1], Submit)
+    assert isinstance(gateway.seen[-1], Submit)
 
 
 @pytest.fixture(scope="module")
