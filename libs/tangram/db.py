@@ -377,3 +377,7 @@ class Held:
 # own form, whatever the plan (see services/scheduler/store.py and
 # tests/integration/test_write_plans.py).
 CUSTOM_PLANS = "SET plan_cache_mode = force_custom_plan"
+# A session for statements that find their rows by primary key alone: each planned once for
+# the session (no planning per execution), and never as a scan, whatever the table's size
+# when the plan was made (a scan planned on a small table would stay while the table grows).
+BY_KEY = ("SET plan_cache_mode = force_generic_plan", "SET enable_seqscan = off")

@@ -85,6 +85,7 @@ class Gateway(Service):
             self._insert, max_batch=cfg.max_batch
         )
         self._intake_conn = db.Held(pool, db.CUSTOM_PLANS)  # no pool reset per batch
+        self._intake_one = db.Held(pool, *db.BY_KEY)  # one action alone (store.insert_one)
         self.claims = store.Claims()  # trajectory claims seen committed: no re-check
         self.admission = Admission(cfg.bounds())
         # Over the bound, is a refused submit's action already durable? One query per batch
@@ -97,9 +98,14 @@ class Gateway(Service):
         """Make a batch durable, then hand its new actions to the scheduler at once, ahead
         of the replies (one message a batch: a lost one is found by the scheduler's sweep of
         durable queued actions)."""
-        intakes = await self._intake_conn.run(
-            lambda conn: store.insert_actions(conn, batch, self.claims)
-        )
+        if store.one_row(batch, self.claims):
+            intakes = await self._intake_one.run(
+                lambda conn: store.insert_one(conn, batch[0], self.claims)
+            )
+        else:
+            intakes = await self._intake_conn.run(
+                lambda conn: store.insert_actions(conn, batch, self.claims)
+            )
         new = [o.action for o, i in zip(batch, intakes, strict=True) if i.new]
         self.accepted += len(new)
         for run in batches(new):
@@ -134,7 +140,7 @@ class Gateway(Service):
         await self.bus.stop_serving(grace_s)
         await self.intake.close()
         await self.lookups.close()
-        await self._intake_conn.release()
+        await asyncio.gather(self._intake_conn.release(), self._intake_one.release())
 
     def phase(self) -> beats.Phase:
         """Its heartbeat: serving or draining, and its counters. An idle member (never busy):
@@ -328,6 +334,6 @@ async def build(
     """The gateway as configured by the environment and ``overrides`` (see runtime.Build),
     given its pool and bus; ``stack`` closes the bus first, then the pool."""
     mesh, cfg = config.load(overrides)
-    pool = await db.open_pool(stack, mesh.postgres_dsn)
+    pool = await db.open_pool(stack, mesh.postgres_dsn, max_size=5)
     bus = await open_bus(stack, mesh.nats_url, "gateway")
     return mesh, Gateway(cfg, bus, pool, heartbeat_s=mesh.heartbeat_s)

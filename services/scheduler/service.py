@@ -119,10 +119,17 @@ class Scheduler(Service):
         self.health = Monitor(cfg.health, self.core, self.quotas, bus, pool, clock, self.apply)
         # Node reports, not the started row, say whether an action started, so its commit need
         # not wait for the WAL flush; the terminal one always does.
-        self._start_conn = db.Held(pool, db.CUSTOM_PLANS, "SET synchronous_commit = off")
-        self._record_conn = db.Held(pool, db.CUSTOM_PLANS)
-        self.starts = self._writer("started-writer", self._start_conn)
-        self.records = self._writer("record-writer", self._record_conn)  # terminal and envs
+        # Each writer holds two connections: batches planned afresh each time, one record
+        # alone by its key (store.write_one).
+        async_commit = "SET synchronous_commit = off"
+        self._conns = (
+            db.Held(pool, db.CUSTOM_PLANS, async_commit),
+            db.Held(pool, *db.BY_KEY, async_commit),
+            db.Held(pool, db.CUSTOM_PLANS),
+            db.Held(pool, *db.BY_KEY),
+        )
+        self.starts = self._writer("started-writer", *self._conns[:2])
+        self.records = self._writer("record-writer", *self._conns[2:])  # terminal and envs
         self.pending: dict[str, asyncio.Future[None]] = {}  # finish records not yet committed
         self.outbox = Outbox(bus, self._still_assigned)  # node commands, in the core's order
         self._dirty = asyncio.Event()
@@ -178,7 +185,7 @@ class Scheduler(Service):
             await asyncio.wait([self._judging])
         await self.bus.stop_serving(grace_s)
         await asyncio.gather(*(w.close(grace_s) for w in (self.starts, self.records)))
-        await asyncio.gather(self._start_conn.release(), self._record_conn.release())
+        await asyncio.gather(*(conn.release() for conn in self._conns))
 
     def dependencies(self) -> dict[str, Probe]:
         return {"bus": ops_http.bus_probe(self.bus), "postgres": ops_http.pool_probe(self.pool)}
@@ -247,14 +254,19 @@ class Scheduler(Service):
             result = verdict(action, ErrorKind.INVALID_REQUEST, why, now=now)
             await self.apply(self.core.finish(action, result))
 
-    def _writer(self, name: str, conn: db.Held) -> db.GroupCommit[store.Record, None]:
-        """A durable writer on its own held connection (started with the service)."""
+    def _writer(self, name: str, conn: db.Held, one: db.Held) -> db.GroupCommit[store.Record, None]:
+        """A durable writer on its own held connections (started with the service)."""
         return db.GroupCommit(
-            partial(self._write, conn), max_batch=1024, retry=WRITE_RETRY, name=name
+            partial(self._write, conn, one), max_batch=1024, retry=WRITE_RETRY, name=name
         )
 
-    async def _write(self, conn: db.Held, batch: Sequence[store.Record]) -> list[None]:
+    async def _write(
+        self, conn: db.Held, one: db.Held, batch: Sequence[store.Record]
+    ) -> list[None]:
         now = self.clock()
+        record = store.alone(batch)
+        if record is not None:
+            return await one.run(lambda c: store.write_one(c, record, now, self.epoch))
         return await conn.run(lambda c: store.write(c, batch, now, self.epoch))
 
     # ------------------------------------------------------------------ handlers
@@ -537,7 +549,7 @@ async def build(
     ):
         lead = await stack.enter_async_context(Lead(mesh.postgres_dsn, cfg.lead_config()))
     session = f"{store.SESSIONS} {uuid.uuid4().hex[:12]}"
-    pool = await db.open_pool(stack, mesh.postgres_dsn, name=session)
+    pool = await db.open_pool(stack, mesh.postgres_dsn, max_size=6, name=session)
     bus = await open_bus(stack, mesh.nats_url, "scheduler")
     beat_s = mesh.heartbeat_s
     return mesh, Scheduler(cfg, bus, pool, session=session, lead=lead, heartbeat_s=beat_s, who=who)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 
@@ -94,7 +94,7 @@ def make_row(w: Waiting, learner: DurationLearner | None, default_s: float) -> R
     else:
         model = resolve(w.profile, w.t_ori_s, w.parallel_fraction, learner)
         row = _min_row(w.choices[0], default_s) if model is None else _model_row(w.choices, model)
-    return _with_setup(row, w) if w.setup_s else row
+    return _with_setup(row, w) if any(w.setup_s) else row  # no setup anywhere: the row as is
 
 
 def _with_setup(row: Row, w: Waiting) -> Row:
@@ -289,7 +289,7 @@ class ElasticPolicy:
         n = fits_at_min(waiting, free)
         if n == 0:
             return []
-        return self._decide(waiting, n, free, BasicOperator(free), running, now)
+        return self._decide(waiting, n, free, partial(BasicOperator, free), running, now)
 
     def arrange_chunks(
         self,
@@ -306,22 +306,24 @@ class ElasticPolicy:
         if n == 0:
             return []
         free = sum(c * s for c, s in zip(free_chunks, (1, 2, 4, 8), strict=True))
-        return self._decide(waiting, n, free, ChunkOperator(free_chunks), running, now)
+        return self._decide(waiting, n, free, partial(ChunkOperator, free_chunks), running, now)
 
     def _decide(
         self,
         waiting: Sequence[Waiting],
         n: int,
         free: int,
-        op: DpOperator,
+        op: Callable[[], DpOperator],
         running: Sequence[Running],
         now: float,
     ) -> list[int]:
+        """Algorithm 1 over the first ``n`` of ``waiting``; ``op`` makes the DP operator of
+        the free units (only when some candidate can scale)."""
         rows = [self._row(w) for w in waiting[: n + self.horizon]]
         if not any(r.elastic for r in rows[:n]):
             return [r.min_units for r in rows[:n]]  # Alg. 1 lines 6-7: nothing to scale
         cands = rows[:n]
-        table = prefix_table(op, [r.task for r in cands], all(r.convex for r in cands))
+        table = prefix_table(op(), [r.task for r in cands], all(r.convex for r in cands))
         releases = releases_of(running, now, self.learner, self.default_s)
         objective = Objective(rows, table, free, releases, now, self.depth)
         keep = 0 if running else 1
