@@ -36,6 +36,7 @@ pytestmark = pytest.mark.slow
 
 N = 40
 TERMINAL_WRITE = "SET status = t.status"  # a fragment of store._FINISHED alone
+TERMINAL_ONE = "SET status = $3"  # of store._FINISHED_ONE alone (one record, by its key)
 STARTED_WRITE = "SET status = 'running'"  # a fragment of store._STARTED alone
 OUTCOMES = ["rolled-back", "committed"]  # what the write does once its scheduler is dead
 
@@ -138,15 +139,16 @@ async def waiting_write(mesh: Mesh, locks: RowLocks, fragment: str) -> tuple[int
 
 
 def logged_batch(mesh: Mesh, pid: int, fragment: str) -> list[str]:
-    """The ``$1`` (the action ids) of the last logged statement of ``pid`` with ``fragment``."""
+    """The ``$1`` (the action ids: an array, or one id) of the last logged statement of
+    ``pid`` with ``fragment``."""
     assert mesh.pg is not None
     text = (mesh.pg.data_dir / "postgres.log").read_text(errors="replace")
     entries = re.split(r"\n(?=\S)", text)  # a statement's lines after its first are indented
     batch: list[str] = []
     for entry, detail in itertools.pairwise(entries):
         if f"[{pid}]" in entry and "execute" in entry and fragment in entry:
-            found = re.search(r"Parameters: \$1 = '\{([^}]*)\}'", detail)
-            batch = found.group(1).split(",") if found else []
+            found = re.search(r"Parameters: \$1 = '(\{[^}]*\}|[^']*)'", detail)
+            batch = found.group(1).strip("{}").split(",") if found else []
     return batch
 
 
@@ -224,7 +226,7 @@ async def test_kill9_during_a_batched_terminal_write(
         plug_lock = await RowLocks.take(mesh.postgres_dsn, [plug])
         wave_locks = await RowLocks.take(mesh.postgres_dsn, wave)
         box.open(plug)
-        await waiting_write(mesh, plug_lock, TERMINAL_WRITE)
+        await waiting_write(mesh, plug_lock, TERMINAL_ONE)  # a batch of one: by its key
         box.open(*wave)
         # Pushed as soon as their completions arrive, queued for the writer first.
         await asyncio.gather(*(client.result(aid, timeout=15) for aid in wave))

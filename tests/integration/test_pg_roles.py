@@ -86,6 +86,10 @@ async def test_the_gateway_role_does_intake_and_nothing_of_the_scheduler(secured
         aid = "pgr-1"
         cols = [[aid], ["job"], ["traj"], ["exec"], [b"spec"], [1.0], ["alice"]]  # claims traj
         assert [r["action_id"] for r in await gw.fetch(gateway_store._INSERT, *cols)] == [aid]
+        one = ["pgr-1b", "job", "traj", "exec", b"spec", 1.0, "alice"]  # alone, by its key
+        assert [r["action_id"] for r in await gw.fetch(gateway_store._INSERT_ONE, *one)] == [
+            "pgr-1b"
+        ]
         assert await gateway_store.fetch_result(gw, aid) == gateway_store.Existing(
             "queued", None, "alice"
         )
@@ -140,6 +144,12 @@ async def test_the_scheduler_role_leads_fences_and_writes_transitions(secured: S
         assert await sched.execute(scheduler_store._FINISHED, *finished) == "INSERT 0 1"
         done = "SELECT status FROM actions WHERE action_id = 'pgr-2'"
         assert await gw.fetchval(done) == "succeeded"  # what the gateway reads back
+        await gw.fetch(gateway_store._INSERT_ONE, "pgr-3", "job", "traj", "exec", b"s", 1.0, "")
+        started = ["pgr-3", 1, "n0", "i0", [0], 2.0, epoch]  # one record alone, by its key
+        assert await sched.execute(scheduler_store._STARTED_ONE, *started) == "INSERT 0 1"
+        finished = ["pgr-3", 1, "succeeded", b"r", None, 0, 3.0, "n0", epoch]
+        assert await sched.execute(scheduler_store._FINISHED_ONE, *finished) == "INSERT 0 1"
+        assert await gw.fetchval(done.replace("pgr-2", "pgr-3")) == "succeeded"
         health = [datetime.datetime.now(datetime.UTC), "n", "i", "node", "suspect", "failed", ""]
         await sched.execute(HEALTH_INSERT, *[[x] for x in health])
         assert await prune_health(sched, 1.0, 1) == 0  # may delete (a recent fencing stays)
