@@ -219,7 +219,9 @@ class Agent(Service):
 
     async def _command(self, cmd: NodeCommand) -> None:
         try:
-            effects = self.core.command(cmd, self.executor.envs(), self.clock(), self.mono())
+            # only a Reconcile reads the environments (a dispatch must not pay for listing them)
+            envs = self.executor.envs() if isinstance(cmd, Reconcile) else ()
+            effects = self.core.command(cmd, envs, self.clock(), self.mono())
         except InvalidRequest as exc:
             log.warning("%s %s: refused %s: %s", self.name, self.node_id, type(cmd).__name__, exc)
             raise
