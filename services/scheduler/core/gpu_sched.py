@@ -84,6 +84,7 @@ from tangram.contract import (
     ErrorKind,
     Inventory,
     NodeReport,
+    PreparedService,
     ServiceSpec,
     ServiceState,
     UnifiedAction,
@@ -94,6 +95,11 @@ if TYPE_CHECKING:
 
 GpuOrder = Literal["fcfs", "hrrs"]
 WAIT_WINDOWS = 2  # the calls a pass looks at, in windows, when some wait for busy copies
+# A node whose agent died this many times in a row while building a service is not asked to
+# build it again (a factory that ends the process -- os._exit, abort, a crash in native code --
+# would have the supervisor restart it into the same build for ever); it reports the service
+# failed until the service is registered again. One death may be the machine's: it is retried.
+MAX_BUILD_DEATHS = 2
 
 
 def profile_of(act: UnifiedAction) -> str:
@@ -143,6 +149,10 @@ class GpuScheduler:
         self._freed = 0  # per pass: the usable free GPUs of the live GPU nodes
         self._copies = gpu_wait.Copies({}, 0.0)  # per pass: where each service is resident
         self._ends: dict[str, float] = {}  # a dispatched call -> its predicted end
+        # (node, service) -> the agent's deaths in a row while it built the service, and the
+        # failure a node reports for it from MAX_BUILD_DEATHS on (see MAX_BUILD_DEATHS)
+        self.build_deaths: Counter[tuple[str, str]] = Counter()
+        self.unbuildable: dict[tuple[str, str], str] = {}
         self._chunk_ends: dict[tuple[str, tuple[int, ...]], float] = {}  # per pass, busy chunks
 
     # ------------------------------------------------------------------ services
@@ -166,6 +176,7 @@ class GpuScheduler:
         pending = self.registering.get(spec.name)
         if pending is not None and pending.spec == spec:
             return []
+        self._forgive(spec.name)  # registered again: every node may try its build afresh
         self.services[spec.name] = spec
         self._stale.add(spec.name)
         nodes = self.facts()
@@ -193,6 +204,10 @@ class GpuScheduler:
                 facts.absent.discard(g)
                 facts.down.discard(g)
         reported = {(e.name, e.dop): e for e in report.services}
+        for (node_id, name), why in self.unbuildable.items():
+            if node_id == node.node_id and name in self.services:
+                dop = self.services[name].dops[0]
+                reported[(name, dop)] = PreparedService(name=name, dop=dop, error=why)
         self._stale |= changed(facts.services, reported)
         facts.services = reported
         effects: list[Effect] = []
@@ -207,13 +222,44 @@ class GpuScheduler:
         for reg in self.registering.values():
             if node.node_id in reg.waiting_on and has_reported(facts, reg.spec):
                 reg.waiting_on.discard(node.node_id)
+        for name in {name for name, _ in reported}:
+            if (node.node_id, name) not in self.unbuildable:
+                self.build_deaths.pop((node.node_id, name), None)  # built, or failed cleanly
         return effects + self.settle(now)
 
-    def node_gone(self, node_id: str, now: float) -> list[Effect]:
+    def node_gone(self, node: Node, now: float, died: bool = True) -> list[Effect]:
+        """A GPU node left (``died``: it did not shut down). Registrations stop waiting for it,
+        except for the services it died building: its next incarnation answers for those (or
+        the registration's deadline), after it is asked once more or, at MAX_BUILD_DEATHS,
+        reports them failed."""
         self._failed_on = None  # every service's answer may change: recomputed next pass
+        building = self._building(node) if died else set()
+        for name in building:
+            key = (node.node_id, name)
+            self.build_deaths[key] += 1
+            if self.build_deaths[key] >= MAX_BUILD_DEATHS:
+                self.unbuildable[key] = (
+                    f"the gpu_manager of node {node.node_id} ended {self.build_deaths[key]} "
+                    f"times in a row while it built service {name!r} (a factory that ends the "
+                    "process: os._exit, abort, a crash in native code?); not built there again "
+                    "until the service is registered again"
+                )
         for reg in self.registering.values():
-            reg.waiting_on.discard(node_id)
+            if reg.spec.name not in building:
+                reg.waiting_on.discard(node.node_id)
         return self.settle(now)
+
+    def _building(self, node: Node) -> set[str]:
+        """The services ``node`` was asked to build and has said nothing of yet."""
+        facts = _facts(node)
+        named = {name for name, _ in facts.services}
+        return {name for name in facts.asked if name in self.services and name not in named}
+
+    def _forgive(self, name: str) -> None:
+        for key in [k for k in self.build_deaths if k[1] == name]:
+            del self.build_deaths[key]
+        for key in [k for k in self.unbuildable if k[1] == name]:
+            del self.unbuildable[key]
 
     def settle(self, now: float) -> list[Effect]:
         """Answer the registrations whose wait is over."""

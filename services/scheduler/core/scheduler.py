@@ -374,8 +374,9 @@ class SchedulerCore:
         self.requeue_first(run.action)
         return []
 
-    def _node_lost(self, node: Node, now: float, why: str) -> list[Effect]:
-        """Fail what ran there (it may have half-run) and lose its environments."""
+    def _node_lost(self, node: Node, now: float, why: str, died: bool = True) -> list[Effect]:
+        """Fail what ran there (it may have half-run) and lose its environments (``died``:
+        it did not shut down)."""
         effects: list[Effect] = []
         del self.nodes[node.node_id]
         self.pending.all_unchecked = True
@@ -390,7 +391,7 @@ class SchedulerCore:
             if env.node_id == node.node_id and env.incarnation == node.incarnation:
                 effects.append(self._end_env(env, "lost", f"node {node.node_id} died: {why}"))
         if node.gpu is not None:
-            effects += self.gpu.node_gone(node.node_id, now)
+            effects += self.gpu.node_gone(node, now, died)
         return effects
 
     def node_leaving(self, leaving: NodeLeaving, now: float) -> list[Effect]:
@@ -411,7 +412,7 @@ class SchedulerCore:
         if leaving.started is not None:
             started, envs = set(leaving.started), set(leaving.envs or ())
             effects += self._requeue_unstarted(node, started, envs, now)
-        return effects + self._node_lost(node, now, "node agent shut down")
+        return effects + self._node_lost(node, now, "node agent shut down", died=False)
 
     def node_failed(
         self, node_id: str, incarnation: str, now: float, why: str, lease_s: float
