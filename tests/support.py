@@ -126,7 +126,7 @@ async def running_mesh(
 
 
 @contextlib.asynccontextmanager
-async def postgres_pool(root: Path, max_size: int = 4) -> AsyncIterator[asyncpg.Pool]:
+async def postgres_pool(root: Path, max_size: int = 6) -> AsyncIterator[asyncpg.Pool]:
     """A migrated pool on a Postgres of its own under ``root`` (fsync off), stopped on exit."""
     pg = await asyncio.to_thread(EmbeddedPostgres(root, fsync=False).start)
     try:

@@ -380,4 +380,10 @@ CUSTOM_PLANS = "SET plan_cache_mode = force_custom_plan"
 # A session for statements that find their rows by primary key alone: each planned once for
 # the session (no planning per execution), and never as a scan, whatever the table's size
 # when the plan was made (a scan planned on a small table would stay while the table grows).
-BY_KEY = ("SET plan_cache_mode = force_generic_plan", "SET enable_seqscan = off")
+# Plans the pooled connection cached before (under other settings) are dropped: Postgres does
+# not plan again when a setting changes.
+BY_KEY = (
+    "SET plan_cache_mode = force_generic_plan",
+    "SET enable_seqscan = off",
+    "DISCARD PLANS",
+)

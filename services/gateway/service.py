@@ -60,6 +60,9 @@ from tangram.runtime import Probe, Service, State
 log = logging.getLogger(__name__)
 
 SCHEDULER_TIMEOUT_S = 5.0
+# Connections: two held by the intake (a batch one and a one-action one), and room for the
+# duplicate lookups, result queries and registrations.
+POOL_SIZE = 5
 Reply = Accepted | ActionResult | Pending | Done | Services | Quotas | Submitted
 
 
@@ -86,6 +89,8 @@ class Gateway(Service):
         )
         self._intake_conn = db.Held(pool, db.CUSTOM_PLANS)  # no pool reset per batch
         self._intake_one = db.Held(pool, *db.BY_KEY)  # one action alone (store.insert_one)
+        if pool.get_max_size() < POOL_SIZE:  # its held connections would starve the rest
+            raise ValueError(f"the gateway needs a pool of {POOL_SIZE} connections at least")
         self.claims = store.Claims()  # trajectory claims seen committed: no re-check
         self.admission = Admission(cfg.bounds())
         # Over the bound, is a refused submit's action already durable? One query per batch
@@ -334,6 +339,6 @@ async def build(
     """The gateway as configured by the environment and ``overrides`` (see runtime.Build),
     given its pool and bus; ``stack`` closes the bus first, then the pool."""
     mesh, cfg = config.load(overrides)
-    pool = await db.open_pool(stack, mesh.postgres_dsn, max_size=5)
+    pool = await db.open_pool(stack, mesh.postgres_dsn, max_size=POOL_SIZE)
     bus = await open_bus(stack, mesh.nats_url, "gateway")
     return mesh, Gateway(cfg, bus, pool, heartbeat_s=mesh.heartbeat_s)

@@ -273,6 +273,7 @@ async def insert_one(conn: asyncpg.Connection, item: Owned, claims: Claims) -> l
     claims.hits += bool(item.owner)
     row = await conn.fetchrow(_INSERT_ONE, *(c[0] for c in _columns([item])))
     done = _Outcome({} if row is None else {row["action_id"]: row["owner"]}, set())
+    claims.learn([item], done.inserted)  # its trajectory's claim moves to the newest end
     return await _answers(conn, [item], done)
 
 

@@ -83,6 +83,10 @@ from tangram.runtime import Probe, Service, State
 
 log = logging.getLogger(__name__)
 
+# Connections: four held by the writers (a batch one and a one-record one each), and room for
+# the sweeps, the health detector's writes, registrations and the readiness probe.
+POOL_SIZE = 6
+
 WRITE_RETRY = db.Backoff(first_s=0.02, max_s=2.0)
 
 
@@ -128,6 +132,8 @@ class Scheduler(Service):
             db.Held(pool, db.CUSTOM_PLANS),
             db.Held(pool, *db.BY_KEY),
         )
+        if pool.get_max_size() < POOL_SIZE:  # its held connections would starve the rest
+            raise ValueError(f"the scheduler needs a pool of {POOL_SIZE} connections at least")
         self.starts = self._writer("started-writer", *self._conns[:2])
         self.records = self._writer("record-writer", *self._conns[2:])  # terminal and envs
         self.pending: dict[str, asyncio.Future[None]] = {}  # finish records not yet committed
@@ -549,7 +555,7 @@ async def build(
     ):
         lead = await stack.enter_async_context(Lead(mesh.postgres_dsn, cfg.lead_config()))
     session = f"{store.SESSIONS} {uuid.uuid4().hex[:12]}"
-    pool = await db.open_pool(stack, mesh.postgres_dsn, max_size=6, name=session)
+    pool = await db.open_pool(stack, mesh.postgres_dsn, max_size=POOL_SIZE, name=session)
     bus = await open_bus(stack, mesh.nats_url, "scheduler")
     beat_s = mesh.heartbeat_s
     return mesh, Scheduler(cfg, bus, pool, session=session, lead=lead, heartbeat_s=beat_s, who=who)

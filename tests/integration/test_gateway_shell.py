@@ -129,7 +129,7 @@ async def test_a_query_while_postgres_is_down_is_a_retryable_error(tmp_path, uid
     Postgres is back (a chaos run lost results this way while Postgres restarted)."""
     pg = await asyncio.to_thread(EmbeddedPostgres(tmp_path / "pg", fsync=False).start)
     try:
-        pool = await db.connect(pg.dsn, max_size=2)
+        pool = await db.connect(pg.dsn, max_size=5)
         await db.migrate(pool)
         broker = MemoryBroker()
         client = broker.connect("client")

@@ -138,7 +138,7 @@ async def servers(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tup
 
 @contextlib.asynccontextmanager
 async def scheduler(dsn: str, url: str) -> AsyncIterator[Scheduler]:
-    pool = await db.connect(dsn, max_size=4)
+    pool = await db.connect(dsn, max_size=6)
     cfg = SchedulerConfig(
         policy="min", reconcile_grace_s=0.2, core=CoreConfig(prepare_timeout_s=5.0)
     )
@@ -155,7 +155,7 @@ async def scheduler(dsn: str, url: str) -> AsyncIterator[Scheduler]:
 @pytest.fixture
 async def mesh(servers: tuple[str, str]) -> AsyncIterator[tuple[Bus, FakeGpuAgent, str, str]]:
     dsn, url = servers
-    gw_pool = await db.connect(dsn, max_size=4)
+    gw_pool = await db.connect(dsn, max_size=5)
     agent = FakeGpuAgent(await Bus.connect(url, "fake-gpu"))
     await agent.bus.start()
     beat = asyncio.create_task(agent.heartbeat())

@@ -188,6 +188,15 @@ async def test_a_plan_made_on_a_small_table_stays_on_the_primary_key_as_it_grows
         for name, sql, args in BY_KEY_STATEMENTS:
             await conn.execute(f"PREPARE {name} AS {sql}")
             plans[name] = [f"EXPLAIN EXECUTE {name}({args})"]
+        plain = await pool.acquire()  # a generic plan alone, for contrast: a scan
+        try:
+            await plain.execute("SET plan_cache_mode = force_generic_plan")
+            name, sql, args = BY_KEY_STATEMENTS[0]
+            await plain.execute(f"PREPARE {name} AS {sql}")
+            plan = "\n".join(r[0] for r in await plain.fetch(f"EXPLAIN EXECUTE {name}({args})"))
+            assert "Seq Scan on actions" in plan, plan
+        finally:
+            await pool.release(plain)
         for grown in (False, True):
             if grown:
                 await conn.execute(rows("queued", "a", 20_000))  # unknown to the statistics
