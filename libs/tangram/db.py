@@ -325,6 +325,13 @@ async def retrying(
         delay = min(backoff.max_s, delay * 2)
 
 
+def check_pool(pool: asyncpg.Pool, need: int, who: str) -> None:
+    """Refuse to start ``who`` on a pool smaller than ``need``: the connections its writers
+    hold (``Held``) would leave the rest of it waiting for a connection for ever."""
+    if pool.get_max_size() < need:
+        raise ValueError(f"{who} needs a pool of {need} connections at least")
+
+
 class Held:
     """One pooled connection kept by one writer for its whole life.
 

@@ -89,8 +89,6 @@ class Gateway(Service):
         )
         self._intake_conn = db.Held(pool, db.CUSTOM_PLANS)  # no pool reset per batch
         self._intake_one = db.Held(pool, *db.BY_KEY)  # one action alone (store.insert_one)
-        if pool.get_max_size() < POOL_SIZE:  # its held connections would starve the rest
-            raise ValueError(f"the gateway needs a pool of {POOL_SIZE} connections at least")
         self.claims = store.Claims()  # trajectory claims seen committed: no re-check
         self.admission = Admission(cfg.bounds())
         # Over the bound, is a refused submit's action already durable? One query per batch
@@ -123,6 +121,7 @@ class Gateway(Service):
         return [found.get(aid) for aid in action_ids]
 
     async def on_start(self) -> None:
+        db.check_pool(self.pool, POOL_SIZE, "the gateway")
         await self.quotas.load()
         self.intake.start()
         self.lookups.start()

@@ -132,8 +132,6 @@ class Scheduler(Service):
             db.Held(pool, db.CUSTOM_PLANS),
             db.Held(pool, *db.BY_KEY),
         )
-        if pool.get_max_size() < POOL_SIZE:  # its held connections would starve the rest
-            raise ValueError(f"the scheduler needs a pool of {POOL_SIZE} connections at least")
         self.starts = self._writer("started-writer", *self._conns[:2])
         self.records = self._writer("record-writer", *self._conns[2:])  # terminal and envs
         self.pending: dict[str, asyncio.Future[None]] = {}  # finish records not yet committed
@@ -151,6 +149,7 @@ class Scheduler(Service):
     # ------------------------------------------------------------------ lifecycle
 
     async def on_start(self) -> None:
+        db.check_pool(self.pool, POOL_SIZE, "the scheduler")
         if self.session:
             ended = await store.fence(self.pool, self.session)
             if ended:

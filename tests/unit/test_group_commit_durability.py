@@ -133,3 +133,12 @@ async def test_an_outage_does_not_use_up_the_tries_an_incurable_error_gets():
     assert flush.committed == [1]
     await writer.close()
     await writer.join()
+
+
+async def test_a_pool_too_small_for_the_held_connections_is_refused() -> None:
+    """A service whose writers hold connections refuses to start on a pool they would drain
+    (the rest of it would wait for a connection for ever)."""
+    pool = asyncpg.create_pool("postgresql://x@127.0.0.1:1/x", min_size=1, max_size=4)  # unopened
+    with pytest.raises(ValueError, match="the scheduler needs a pool of 6 connections"):
+        db.check_pool(pool, 6, "the scheduler")
+    db.check_pool(pool, 4, "the gateway")
