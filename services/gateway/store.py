@@ -85,8 +85,8 @@ SELECT action_id, owner, true AS allowed, NULL::bigint AS n FROM ins
 """
 
 # One action alone (the batch of a quiet gateway) needing no claim: the plain insert of one
-# row, run on a connection that plans it once (``db.BY_KEY``): 0.25 against 0.32 ms for
-# ``_INSERT_CLAIMED`` planned afresh (p50 of 300, fsync on, in a one-off probe).
+# row, run on a connection that plans it once (``db.BY_KEY``): 0.36-0.43 against 0.43-0.53 ms
+# through ``insert_actions`` planned afresh (p50, fsync on, two runs of bench.write_cost).
 _INSERT_ONE = """
 INSERT INTO actions (action_id, job_id, trajectory_id, kind, status, spec, submitted_at, owner)
 VALUES ($1, $2, $3, $4, 'queued', $5, $6, $7)

@@ -63,12 +63,13 @@ ON CONFLICT DO NOTHING
 
 # One record alone (the batch of a quiet mesh): the same writes for one action, found by its
 # primary key, with no arrays to unnest. Run on a connection that plans it once for the session
-# (``db.BY_KEY``): 0.13 ms against 0.30 ms for the batch statement planned afresh each time (p50
-# of 300 single-row writes, 20k open actions, synchronous_commit off, in a one-off probe).
+# (``db.BY_KEY``): a started write 0.15-0.18 ms against 0.34-0.42 ms for the batch statement
+# planned afresh each time, a terminal one 0.53 against 0.80 ms (p50, 20k open actions, two
+# runs of ``python -m bench.write_cost``).
 _STARTED_ONE = f"""
 WITH {_LEAD % 7}, up AS (
     UPDATE actions a SET status = 'running', attempt = $2, node_id = $3, incarnation = $4,
-        cores = $5::int[], started_at = $6, updated_at = now()
+        cores = $5::text::int[], started_at = $6, updated_at = now()
     FROM lead WHERE a.action_id = $1 AND a.status NOT IN ({_TERMINAL}) AND a.attempt < $2
     RETURNING a.action_id
 )
@@ -196,11 +197,10 @@ async def write_one(
     """``write`` of one start or finish by its primary key (see ``_STARTED_ONE``): the same
     guards and the same rows; on a connection set up with ``db.BY_KEY``."""
     if isinstance(record, Started):
-        sql, args = _STARTED_ONE, [c[0] for c in _started_columns([record])]
-        args[4] = list(record.effect.units)  # cores or GPUs, an int[] here
+        sql, columns = _STARTED_ONE, _started_columns([record])
     else:
-        sql, args = _FINISHED_ONE, [c[0] for c in _finished_columns([record])]
-    if _count(await conn.execute(sql, *args, epoch)) < 1:
+        sql, columns = _FINISHED_ONE, _finished_columns([record])
+    if _count(await conn.execute(sql, *(c[0] for c in columns), epoch)) < 1:
         await check_lead(conn, epoch)
     return [None]
 

@@ -145,7 +145,7 @@ async def test_the_scheduler_role_leads_fences_and_writes_transitions(secured: S
         done = "SELECT status FROM actions WHERE action_id = 'pgr-2'"
         assert await gw.fetchval(done) == "succeeded"  # what the gateway reads back
         await gw.fetch(gateway_store._INSERT_ONE, "pgr-3", "job", "traj", "exec", b"s", 1.0, "")
-        started = ["pgr-3", 1, "n0", "i0", [0], 2.0, epoch]  # one record alone, by its key
+        started = ["pgr-3", 1, "n0", "i0", "{0}", 2.0, epoch]  # one record alone, by its key
         assert await sched.execute(scheduler_store._STARTED_ONE, *started) == "INSERT 0 1"
         finished = ["pgr-3", 1, "succeeded", b"r", None, 0, 3.0, "n0", epoch]
         assert await sched.execute(scheduler_store._FINISHED_ONE, *finished) == "INSERT 0 1"

@@ -145,8 +145,6 @@ class GpuScheduler:
         self._shared: dict[tuple[str, tuple[int, ...]], gpu.Shared] = {}  # busy chunks
         self._hot: set[str] = set()  # per pass: the services with calls queued or running
         self._queued: Counter[str] = Counter()  # per pass: calls queued per service
-        self._queued_total = 0
-        self._freed = 0  # per pass: the usable free GPUs of the live GPU nodes
         self._copies = gpu_wait.Copies({}, 0.0)  # per pass: where each service is resident
         self._ends: dict[str, float] = {}  # a dispatched call -> its predicted end
         # (node, service) -> the agent's deaths in a row while it built the service, and the
@@ -314,9 +312,7 @@ class GpuScheduler:
         self._free = {n.node_id: gpu.free_chunks(gpu.usable(_facts(n), n.free)) for n in live}
         self._costs = {}
         self._chunk_ends = {}
-        self._freed = sum(sum(gpu.usable(_facts(n), n.free)) for n in live)
         self._queued = Counter(service_of(a) for a in servable)
-        self._queued_total = len(servable)
         self._copies = gpu_wait.Copies({n.node_id: self._times(n, now) for n in live}, now)
         rest: list[UnifiedAction] = []
         behind: dict[str, list[UnifiedAction]] = {}  # node -> calls waiting for its copies
@@ -411,8 +407,9 @@ class GpuScheduler:
             for d in allowed[n.node_id]
         }
         max_batch = self.services[name].max_batch
-        rivals = self._queued_total - self._queued[name]
-        weight = gpu_wait.restore_weight(rivals, self._freed)
+        rivals = self._queued.total() - self._queued[name]
+        freed = sum(c.size for chunks in self._free.values() for c in chunks)  # usable, free
+        weight = gpu_wait.restore_weight(rivals, freed)
         return self._copies.waits(name, allowed, exec_s, restore, max_batch, weight)
 
     def _times(self, node: Node, now: float) -> gpu_wait.NodeTimes:
