@@ -93,6 +93,7 @@ class Lead:
         self.name = session_name()
         self._conn: asyncpg.Connection | None = None
         self._broken = asyncio.Event()  # the held lock session closed: check at once
+        self._closed = False  # let go for good: a watch still running never re-takes it
 
     async def __aenter__(self) -> Lead:
         await self.acquire()
@@ -172,12 +173,15 @@ class Lead:
                 continue
 
     async def watch(self, epoch: int) -> None:
-        """Check the lock session and the epoch every ``check_s``; never returns. Raises
-        :class:`store.Deposed` once another scheduler leads, or once the session has been lost
-        for ``lost_s`` without being re-taken with the epoch unchanged."""
+        """Check the lock session and the epoch every ``check_s``; returns only once the lock
+        was let go (``close``). Raises :class:`store.Deposed` once another scheduler leads, or
+        once the session has been lost for ``lost_s`` without being re-taken with the epoch
+        unchanged."""
         lost_at: float | None = None
         while True:
             await self._next_check(lost=lost_at is not None)
+            if self._closed:
+                return
             if await self._holds(epoch):
                 if lost_at is not None:
                     log.warning("re-took the lead lock, epoch %d unchanged", epoch)
@@ -196,8 +200,11 @@ class Lead:
         if lost:
             await asyncio.sleep(min(self.cfg.retake_s, self.cfg.check_s))
             return
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancellation that
+        # comes as the event is set, and the watch went on (and re-took the lock) after it
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._broken.wait(), self.cfg.check_s)
+            async with asyncio.timeout(self.cfg.check_s):
+                await self._broken.wait()
         self._broken.clear()
 
     async def _holds(self, epoch: int) -> bool:
@@ -228,6 +235,9 @@ class Lead:
         old one of this process may linger: it is ended first). Raises
         :class:`store.Deposed` once another epoch leads."""
         conn = await self._connect(self.cfg.check_s * 2)
+        if self._closed:  # let go while this connected: never taken again
+            conn.terminate()
+            return None
         try:  # this process's old session: ended, waiting up to 2 s until it is gone
             await conn.execute(
                 "SELECT pg_terminate_backend(pid, 2000) FROM pg_stat_activity"
@@ -244,7 +254,8 @@ class Lead:
         return None
 
     async def close(self) -> None:
-        """Let the lock go (ending the session releases it)."""
+        """Let the lock go for good (ending the session releases it)."""
+        self._closed = True
         conn, self._conn = self._conn, None
         if conn is not None:
             try:

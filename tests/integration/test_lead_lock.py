@@ -181,3 +181,30 @@ async def test_the_lead_lock_of_another_database_on_the_server_is_not_this_ones(
             await conn.close()
     finally:
         await asyncio.to_thread(pg.stop)
+
+
+async def test_a_lead_let_go_while_postgres_is_down_never_takes_the_lock_back(tmp_path: Path):
+    """Its watch still running (as when a cancellation was lost), a closed lead does not re-take
+    the lock once Postgres is back: the watch ends, and the standby leads after its grace."""
+    pg = await asyncio.to_thread(EmbeddedPostgres(tmp_path / "pg", fsync=False).start)
+    try:
+        pool = await db.connect(pg.dsn, max_size=1)
+        try:
+            await db.migrate(pool)
+            epoch = await store.take_lead(pool)
+        finally:
+            await pool.close()
+        leader = await Lead(pg.dsn, GRACE).__aenter__()
+        watch = asyncio.ensure_future(leader.watch(epoch))
+        standby = Lead(pg.dsn, GRACE)
+        waiting = asyncio.ensure_future(standby.acquire())
+        await eventually(lambda: _are(pg.dsn, (leader.name, [standby.name])), what="a standby")
+        await asyncio.to_thread(pg.kill)
+        await leader.close()  # the watch is left running on purpose
+        await asyncio.to_thread(pg.start)
+        await asyncio.wait_for(waiting, GRACE.grace_s + 10)
+        await asyncio.wait_for(watch, GRACE.check_s + 5)  # it returned, holding nothing
+        assert await sessions(pg.dsn) == (standby.name, [])
+        await standby.close()
+    finally:
+        await asyncio.to_thread(pg.stop)
