@@ -11,8 +11,9 @@ Through the mesh (a real one: NATS, Postgres, gateway, scheduler, gpu_manager on
 "device"), with the tiny model registered as a service:
 
 - per-call system overhead, calls sequential and the service resident: the completion the
-  client measures (submit -> result) minus the agent's exec timing of the call (its batch's
-  forward pass, thread hop included), p50/p99;
+  client measures (submit -> result) minus the call's execution as the agent times it (in its
+  worker thread, around the batch's forward pass: the hops to and from the worker count as
+  overhead), p50/p99;
 - calls/s with 64 concurrent callers, ``max_batch=1`` (batching off) vs ``max_batch=32``, and
   the calls per forward pass the agent reports (``ServiceState.calls / batches``).
 

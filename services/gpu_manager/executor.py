@@ -231,17 +231,24 @@ class GpuExecutor:
     async def _outcome(
         self, call_id: str, fut: asyncio.Future[Outcome], timeout_s: float
     ) -> Outcome:
+        """The call's outcome, or a timeout's (a timer, not ``wait_for``: the outcome
+        reaches the caller on the loop's next turn, not three turns later)."""
+        timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, call_id, timeout_s)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
-        except TimeoutError:
-            self._cancel_queued(call_id, ErrorKind.EXEC_TIMEOUT, "")
-            now = self.clock()
-            why = f"no output within the action's timeout of {timeout_s}s"
-            return Outcome(
-                failure=ErrorKind.EXEC_TIMEOUT, detail=why, started_at=now, finished_at=now
-            )
+            return await fut
         finally:
+            timer.cancel()
             self._waiters.pop(call_id, None)
+
+    def _expire(self, call_id: str, timeout_s: float) -> None:
+        """A call with no outcome by its timeout fails; if still queued it never runs."""
+        now = self.clock()
+        why = f"no output within the action's timeout of {timeout_s}s"
+        self._resolve(
+            call_id,
+            Outcome(failure=ErrorKind.EXEC_TIMEOUT, detail=why, started_at=now, finished_at=now),
+        )
+        self.former.cancel(call_id)  # a running batch finishes; its outcome comes too late
 
     async def kill(self, action_id: str) -> None:
         """A queued call is cancelled; a running one finishes (its batch is one pass)."""
@@ -333,7 +340,9 @@ class GpuExecutor:
             self.catalog.loaded.pop(grant.placement, None)
         if done.resident is not None:
             self._count(grant.placement.service, len(batch.calls), done.found)
-        times = {"started": started, "finished": self.clock(), "restore_s": done.restore_s}
+        # the call's own time, taken in the worker: the hops to and from it are the system's
+        began, ended = done.ran if done.ran is not None else (started, self.clock())
+        times = {"started": began, "finished": ended, "restore_s": done.restore_s}
         for out in done.outs:
             self._resolve(out.call_id, outcome_of(out, entry.spec, **times))
         self._pump()
@@ -369,7 +378,7 @@ class GpuExecutor:
             f"(re-measured; it was {entry.copy.nbytes if entry.copy else 0} when prepared)"
         )
         oom = [Output(o.call_id, error=why, fault="oom") for o in done.outs]
-        return Pass(done.restore_s, None, oom, done.held)
+        return Pass(done.restore_s, None, oom, done.held, ran=done.ran)
 
     def _work(
         self, grant: Grant, entry: Prepared, resident: Resident | None, batch: Batch, launch: Launch
@@ -377,6 +386,7 @@ class GpuExecutor:
         """In a worker thread: restore if not ``resident``, run the batch, measure what the
         service holds on the device after it. The caller keeps the copy."""
         launch.done()  # the calls entered the runner
+        began = self.clock()
         restore_s, found = 0.0, "device"
         if resident is None:
             t0 = time.perf_counter()
@@ -387,10 +397,11 @@ class GpuExecutor:
         cuda = resident.device.type == "cuda"
         base = _peak_reset(resident.device) if cuda else 0
         outs = _isolated(resident.model, entry, batch)
+        ended = self.clock()
         held = held_bytes(resident)
         if cuda:  # pragma: no cover - needs a GPU: the pass's working memory at its peak
             held += max(0, torch.cuda.max_memory_allocated(resident.device) - base)
-        return Pass(restore_s, resident, outs, held, found)
+        return Pass(restore_s, resident, outs, held, found, (began, ended))
 
     def _restore(self, grant: Grant, entry: Prepared) -> tuple[Resident, str]:
         """In a worker thread: the service onto the grant's chunk, promoted from disk to host
@@ -461,14 +472,16 @@ class GpuExecutor:
 @dataclass(frozen=True, slots=True)
 class Pass:
     """What one forward pass gave: its outputs, the copy on the device (None: dropped, the
-    restore or the device failed), the bytes it held there after the pass, and where the
-    service was when the batch was granted (``device``, ``host``, ``disk``)."""
+    restore or the device failed), the bytes it held there after the pass, where the
+    service was when the batch was granted (``device``, ``host``, ``disk``), and when the
+    worker began it and its forward pass ended (the calls' execution, restore included)."""
 
     restore_s: float
     resident: Resident | None
     outs: list[Output]
     held: int = 0
     found: str = ""
+    ran: tuple[float, float] | None = None
 
 
 def _noop() -> None:

@@ -4,9 +4,12 @@ fake scheduler: registration, Prepare, calls, eviction and restore, batching, fa
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -211,6 +214,30 @@ async def test_outputs_equal_the_model_called_directly_also_after_eviction(node:
     assert node.scheduler.service("b").resident == ()  # type: ignore[union-attr]
 
 
+async def test_a_calls_execution_is_timed_in_the_worker_not_across_the_hops(node: Node):
+    """started / finished come from the worker thread around the restore and the forward
+    pass: the hops to and from the event loop are the system's overhead, not the call's."""
+    loop_thread = threading.current_thread()
+    worker_times: list[float] = []
+
+    def clock() -> float:
+        now = time.time()
+        if threading.current_thread() is not loop_thread:
+            worker_times.append(now)
+        return now
+
+    node.executor.clock = clock
+    await node.prepare(ServiceSpec("a", f"{M}:wide_a"))
+    for aid in ("t1", "t2"):  # restored, then resident
+        await node.call(aid, "a", [0.5] * 8)
+        done = await node.outcome(aid)
+        assert done.started_at in worker_times
+        assert done.finished_at in worker_times
+        assert done.started_at is not None
+        assert done.finished_at is not None
+        assert done.finished_at - done.started_at >= done.restore_s
+
+
 async def test_a_service_that_outgrows_its_device_is_re_measured_and_fits_once_room_is_made(
     node: Node,
 ):
@@ -256,6 +283,31 @@ async def test_concurrent_calls_are_coalesced_into_one_batch(node: Node):
         lambda: (s := node.scheduler.service("slow")) and s.batches == 3 and s, what="counts"
     )
     assert ran.calls == 6  # reported in heartbeats: 6 calls in 3 forward passes
+
+
+async def test_a_call_past_its_timeout_fails_and_a_queued_one_never_runs(node: Node):
+    await node.prepare(ServiceSpec("slow", f"{M}:slow_service", max_batch=1))
+    gpu_models.BATCH_SIZES.clear()
+    gpu_models.GATE.clear()
+    await node.send(timed(infer("r", "slow", [0.0] * 8), 0.3))  # runs, stuck in its handler
+    await eventually(lambda: gpu_models.BATCH_SIZES == [1], what="the first batch to run")
+    await node.send(timed(infer("q", "slow", [1.0] * 8), 0.3))  # queued behind it
+    for aid in ("r", "q"):
+        late = await node.outcome(aid)
+        assert late.failure is ErrorKind.EXEC_TIMEOUT
+        assert late.detail == "no output within the action's timeout of 0.3s"
+    assert len(node.executor.former) == 0  # the queued call left the queue
+    gpu_models.GATE.set()
+    await node.call("after", "slow", [2.0] * 8)
+    assert (await node.outcome("after")).exit_code == 0
+    assert gpu_models.BATCH_SIZES == [1, 1]  # the stuck batch and "after": "q" never ran
+    done = [m for m in node.scheduler.heard if isinstance(m, Completion)]
+    assert [c.action_id for c in done].count("r") == 1  # its batch's late output: not sent
+
+
+def timed(d: Dispatch, timeout_s: float) -> Dispatch:
+    spec = msgspec.structs.replace(d.action.spec, timeout_s=timeout_s)
+    return msgspec.structs.replace(d, action=msgspec.structs.replace(d.action, spec=spec))
 
 
 async def test_a_queued_call_is_cancelled_by_kill_and_a_running_one_finishes(node: Node):
