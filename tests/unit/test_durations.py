@@ -76,3 +76,30 @@ def test_the_learner_forgets_the_least_recently_observed_profile_past_its_bound(
     for i in range(1000):
         learner.observe(f"p{i}", 1, 1.0)
     assert len(learner.profiles()) == 3
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.floats(1e-6, 1e6),
+    st.floats(0, 1),
+    st.floats(1e-6, 1e6),
+    st.lists(st.tuples(st.integers(1, 64), st.floats(1e-3, 1e3)), min_size=1, max_size=5),
+    st.integers(1, 64),
+)
+def test_one_unit_count_is_bit_exact_with_the_array_form(
+    t_ori: float, p: float, seconds: float, points: list[tuple[int, float]], units: int
+) -> None:
+    """A pass asks ``at`` where the policy's rows use ``durations``: they must agree to the
+    bit, or a pass could decide otherwise than the rows it weighs."""
+    for model in (Amdahl(t_ori, p), Constant(seconds), Table(tuple(dict(points).items()))):
+        assert model.at(units) == float(model.durations(np.array([units]))[0])
+
+
+def test_a_learned_model_is_refitted_after_each_observation() -> None:
+    learner = DurationLearner()
+    learner.observe("p", 1, 4.0)
+    first = learner.model("p")
+    assert first == Constant(4.0)
+    assert learner.model("p") is first  # kept until the profile learns more
+    learner.observe("p", 4, 1.0)
+    assert isinstance(learner.model("p"), Amdahl)

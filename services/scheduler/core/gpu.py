@@ -55,9 +55,22 @@ class Shared:
         )
 
 
-def usable(facts: GpuFacts, free: set[int]) -> list[bool]:
+def usable(facts: GpuFacts, free: set[int]) -> tuple[bool, ...]:
     """Per position: free and not down."""
-    return [g in free and g not in facts.down for g in facts.gpus]
+    return tuple(g in free and g not in facts.down for g in facts.gpus)
+
+
+@functools.lru_cache(maxsize=4096)
+def free_chunks_of(ok: tuple[bool, ...]) -> tuple[Chunk, ...]:
+    """``free_chunks``, remembered: a pass asks it of the same few free sets again and
+    again (chunks are immutable, so the answer is shared)."""
+    return tuple(free_chunks(ok))
+
+
+@functools.lru_cache(maxsize=1024)
+def positions_of(gpus: tuple[int, ...]) -> dict[int, int]:
+    """GPU index -> position on a node of ``gpus`` (shared: never to be changed)."""
+    return {g: p for p, g in enumerate(gpus)}
 
 
 def candidates(chunks: Sequence[Chunk], units: int) -> list[Chunk]:
@@ -118,7 +131,7 @@ def cached(facts: GpuFacts, hot: Callable[[str], bool]) -> Held:
     device to make room (§5.3), so among chunks as quick to restore onto, the one holding
     the least of what is in demand keeps the copies the next calls will look for (Figure
     8(b): restores fall)."""
-    at = {g: p for p, g in enumerate(facts.gpus)}
+    at = positions_of(facts.gpus)
     warm, every = [0.0] * len(facts.gpus), [0.0] * len(facts.gpus)
     for (name, dop), entry in facts.services.items():
         if entry.error or not entry.resident:
@@ -149,7 +162,7 @@ def resident_positions(facts: GpuFacts, service: str, dop: int) -> frozenset[int
     entry = facts.services.get((service, dop))
     if entry is None or entry.error:
         return frozenset()
-    where = {g: p for p, g in enumerate(facts.gpus)}
+    where = positions_of(facts.gpus)
     return frozenset(where[g] for g in entry.resident if g in where)
 
 

@@ -46,7 +46,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
-import numpy as np
 
 from services.scheduler.core import gpu, gpu_share, gpu_wait
 from services.scheduler.core.books import Dispatched, GpuFacts, Node
@@ -133,9 +132,11 @@ class GpuScheduler:
         policy: Policy = core.policy
         self.chunks = policy if isinstance(policy, ArrangesChunks) else None
         self.learner = self.chunks.learner if self.chunks is not None else DurationLearner()
-        # per pass: each node's free chunks and the restore part of a (node, service, dop) grant
-        self._free: dict[str, list[gpu.Chunk]] = {}
+        # per pass: each node's free chunks, the restore part of a (node, service, dop) grant
+        # and the variants a call may run as on a node (``_dops``)
+        self._free: dict[str, tuple[gpu.Chunk, ...]] = {}
         self._costs: dict[tuple[str, str, int], float] = {}
+        self._variants: dict[tuple[str, str], tuple[int, ...]] = {}
         self._failed: dict[str, str] = {}  # service -> why every GPU node failed it
         # what _failed is out of date for: its services whose inputs changed (``changed``), or
         # all of them (GPU nodes came or went); recomputed at the next pass, so a pass costs
@@ -291,6 +292,7 @@ class GpuScheduler:
         acts = [queue[aid] for aid in self.core.pending.gpu()]  # FCFS, as in the queue
         if not acts:
             return []
+        self._variants = {}
         effects: list[Effect] = []
         live = [n for n in self.core.nodes.values() if n.gpu is not None and not n.draining]
         servable: list[UnifiedAction] = []
@@ -309,7 +311,7 @@ class GpuScheduler:
             self.core.running.values(), self.core.killed.values(), self.core.nodes
         )
         # joins take no free GPU: the free chunks (and what a grant would restore) hold
-        self._free = {n.node_id: gpu.free_chunks(gpu.usable(_facts(n), n.free)) for n in live}
+        self._free = {n.node_id: gpu.free_chunks_of(gpu.usable(_facts(n), n.free)) for n in live}
         self._costs = {}
         self._chunk_ends = {}
         self._queued = Counter(service_of(a) for a in servable)
@@ -485,9 +487,14 @@ class GpuScheduler:
 
     def _dops(self, act: UnifiedAction, node: Node) -> tuple[int, ...]:
         """The variants this call may run as on ``node`` (empty: not there)."""
-        spec = self.services[service_of(act)]
-        floor = self._floor(act)
-        return gpu.ready_dops(_facts(node), spec.name, (d for d in spec.dops if d >= floor))
+        key = (act.spec.action_id, node.node_id)
+        hit = self._variants.get(key)
+        if hit is None:
+            spec = self.services[service_of(act)]
+            floor = self._floor(act)
+            dops = (d for d in spec.dops if d >= floor)
+            hit = self._variants[key] = gpu.ready_dops(_facts(node), spec.name, dops)
+        return hit
 
     def _choose(self, act: UnifiedAction, live: list[Node], budget: dict[str, int]) -> Node | None:
         """Its pool this pass: where it is resident on a free chunk, else the node with the most
@@ -539,7 +546,7 @@ class GpuScheduler:
         model = resolve(profile_of(act), t_ori, pf, self.learner)
         if model is None:
             return [DEFAULT_DURATION_S] * len(dops)
-        return [float(x) for x in model.durations(np.asarray(dops, dtype=np.int64))]
+        return [model.at(d) for d in dops]
 
     def _admit(
         self, node: Node, groups: list[Group], behind: list[UnifiedAction], now: float
@@ -547,7 +554,7 @@ class GpuScheduler:
         """Arrange ``node``'s pool: ``groups`` may start; ``behind`` (calls waiting for its
         busy copies, no restore) weigh in the elastic estimate only."""
         facts = _facts(node)
-        chunks = gpu.free_chunks(gpu.usable(facts, node.free))
+        chunks = gpu.free_chunks_of(gpu.usable(facts, node.free))
         views = [self._view(g[0], node, facts, chunks) for g in groups]
         counts = gpu.chunk_counts(chunks)
         if self.chunks is not None:
@@ -580,7 +587,7 @@ class GpuScheduler:
         return [_running_view(r, ends[r.cores]) for r in latest.values()]
 
     def _view(
-        self, act: UnifiedAction, node: Node, facts: GpuFacts, chunks: list[gpu.Chunk]
+        self, act: UnifiedAction, node: Node, facts: GpuFacts, chunks: Sequence[gpu.Chunk]
     ) -> Waiting:
         dops = self._dops(act, node)
         hint = act.spec.duration
@@ -599,7 +606,7 @@ class GpuScheduler:
         """The group's chunk: its first call takes it, the others share it."""
         facts = _facts(node)
         name = service_of(group[0])
-        chunks = gpu.free_chunks(gpu.usable(facts, node.free))
+        chunks = gpu.free_chunks_of(gpu.usable(facts, node.free))
         held = gpu.cached(facts, self._hot.__contains__)
         chunk = gpu.pick(chunks, units, gpu.resident_positions(facts, name, units), held)
         if chunk is None:  # the policy arranged what the chunks cannot hold: wait
@@ -647,7 +654,7 @@ class GpuScheduler:
         if not set(gpus) <= node.free:
             end = self._chunk_ends[key] = max(now, self._chunk_ends.get(key, now)) + exec_s
             return end
-        where = {g: p for p, g in enumerate(facts.gpus)}
+        where = gpu.positions_of(facts.gpus)
         name = service_of(act)
         positions = [where[g] for g in gpus]
         if gpu.resident_positions(facts, name, len(gpus)).issuperset(positions):

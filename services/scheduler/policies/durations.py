@@ -31,6 +31,10 @@ class DurationModel(Protocol):
 
     def durations(self, units: IntArray) -> FloatArray: ...
 
+    def at(self, units: int) -> float:
+        """``durations`` of one unit count (no array made: a pass asks this per call)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Amdahl:
@@ -47,6 +51,10 @@ class Amdahl:
         p = self.parallel_fraction
         return self.t_ori_s * ((1.0 - p) + p / np.asarray(units, dtype=np.float64))
 
+    def at(self, units: int) -> float:
+        p = self.parallel_fraction  # the same float operations as ``durations``
+        return self.t_ori_s * ((1.0 - p) + p / float(units))
+
 
 @dataclass(frozen=True, slots=True)
 class Constant:
@@ -60,6 +68,9 @@ class Constant:
 
     def durations(self, units: IntArray) -> FloatArray:
         return np.full(np.shape(units), self.seconds, dtype=np.float64)
+
+    def at(self, units: int) -> float:
+        return self.seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +94,9 @@ class Table:
         out: FloatArray = np.interp(1.0 / np.asarray(units, dtype=np.float64), inv, secs)
         return out
 
+    def at(self, units: int) -> float:
+        return float(self.durations(np.asarray([units], dtype=np.int64))[0])
+
 
 @dataclass(slots=True)
 class _Fit:
@@ -94,8 +108,10 @@ class _Fit:
     sxx: float = 0.0
     sxy: float = 0.0
     units_seen: set[int] = field(default_factory=set)
+    fitted: DurationModel | None = None  # ``model()`` until the next ``add``
 
     def add(self, units: int, exec_s: float, decay: float) -> None:
+        self.fitted = None
         x = 1.0 / units
         self.n = self.n * decay + 1.0
         self.sx = self.sx * decay + x
@@ -105,6 +121,11 @@ class _Fit:
         self.units_seen.add(units)
 
     def model(self) -> DurationModel:
+        if self.fitted is None:
+            self.fitted = self._fit()
+        return self.fitted
+
+    def _fit(self) -> DurationModel:
         mean = self.sy / self.n
         var = self.sxx - self.sx * self.sx / self.n
         if len(self.units_seen) < 2 or var <= 1e-12:
