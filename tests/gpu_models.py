@@ -19,10 +19,12 @@ __all__ = [
     "BLOCKED",
     "GATE",
     "GROWN_BYTES",
+    "KEPT",
     "NOT_CALLABLE",
     "WIDE",
     "blocked_service",
     "chatty_service",
+    "clinging_service",
     "exiting_service",
     "growing_service",
     "not_a_module",
@@ -71,6 +73,19 @@ def wide_a() -> tuple[nn.Module, Any]:
 
 def wide_b() -> tuple[nn.Module, Any]:
     return mlp(MlpConfig(hidden=400, layers=2, seed=1)), mlp_handle
+
+
+KEPT: list[torch.Tensor] = []  # what clinging_service's handle held on to
+
+
+def _clinging_handle(model: nn.Module, payloads: list[Any]) -> list[Any]:
+    KEPT.append(next(model.parameters()))  # a view of the copy's arena, kept past the call
+    return mlp_handle(model, payloads)
+
+
+def clinging_service() -> tuple[nn.Module, Any]:
+    """wide_a's model whose handle keeps a parameter (a cache a user might build)."""
+    return mlp(WIDE), _clinging_handle
 
 
 BATCH_SIZES: list[int] = []  # what slow_service's handle saw, in order

@@ -28,6 +28,7 @@ import torch
 from nats.aio.msg import Msg
 
 from services.gpu_manager import catalog, devices
+from services.gpu_manager.arenas import Arenas
 from services.gpu_manager.bandwidth import measure_bandwidth, measure_gather, sync
 from services.gpu_manager.batching import Batch, BatchFormer, Call, Output, fault_of, run_batch
 from services.gpu_manager.catalog import Catalog, Prepared, Ran, variant
@@ -35,7 +36,7 @@ from services.gpu_manager.config import GpuManagerConfig
 from services.gpu_manager.host_copy import Resident, held_bytes
 from services.gpu_manager.outcomes import outcome_of, refused
 from services.gpu_manager.prefetch import Prefetcher
-from services.gpu_manager.residency import Grant, Residency, snapshot
+from services.gpu_manager.residency import Grant, Placement, Residency, snapshot
 from services.gpu_manager.state.manager import StateManager
 from services.gpu_manager.state.tiers import TierFull
 from tangram import metrics
@@ -84,6 +85,7 @@ class GpuExecutor:
         self.former = BatchFormer(cfg.max_queued)
         self.devices = devices.Inventory("none", ())
         self.residency = Residency(())
+        self.arenas = Arenas(0)  # what evicted copies freed, for the next restores (arenas.py)
         self.lanes: dict[str, Lane] = {}
         self.ran: dict[str, Ran] = {}  # variant -> calls and batches run (in heartbeats)
         self._waiters: dict[str, asyncio.Future[Outcome]] = {}
@@ -109,6 +111,7 @@ class GpuExecutor:
         gbps = await asyncio.to_thread(measure_bandwidth, self.devices)
         gather = await asyncio.to_thread(measure_gather, self.devices)
         self.residency = Residency(tuple(d.budget_bytes for d in self.devices.devices))
+        self.arenas = Arenas(sum(d.budget_bytes for d in self.devices.devices))
         n = max(1, len(self.devices.devices))
         self._runner = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="gpu-run")
         log.warning(
@@ -167,7 +170,7 @@ class GpuExecutor:
             await asyncio.to_thread(self.state.forget, old.state_id)
         for p in self.catalog.put(entry):  # the replaced spec's copies, where idle
             if p not in busy:
-                self.catalog.loaded.pop(p, None)
+                self._drop(p, old)
                 self.residency.cached.pop(p, None)
 
     async def _fitting(self, entry: Prepared) -> Prepared:
@@ -315,12 +318,13 @@ class GpuExecutor:
         started = self.clock()
         loop = asyncio.get_running_loop()
         for p in grant.evict:
-            self.catalog.loaded.pop(p, None)  # no write-back: the host copy is invariant
+            self._drop(p, self.catalog.get(p.service.rpartition("/")[0]))
         resident = self.catalog.loaded.get(grant.placement)
+        arena = self._arena(grant, entry) if resident is None else None
         launch = self.starts.begin(len(batch.calls))
         try:
             done = await loop.run_in_executor(
-                self._runner, self._work, grant, entry, resident, batch, launch
+                self._runner, self._work, grant, entry, resident, batch, launch, arena
             )
         except Exception as exc:  # the restore failed (out of memory, a lost device)
             log.warning("restore of %s failed", grant.placement, exc_info=True)
@@ -381,16 +385,23 @@ class GpuExecutor:
         return Pass(done.restore_s, None, oom, done.held, ran=done.ran)
 
     def _work(
-        self, grant: Grant, entry: Prepared, resident: Resident | None, batch: Batch, launch: Launch
+        self,
+        grant: Grant,
+        entry: Prepared,
+        resident: Resident | None,
+        batch: Batch,
+        launch: Launch,
+        arena: torch.Tensor | None = None,
     ) -> Pass:
-        """In a worker thread: restore if not ``resident``, run the batch, measure what the
-        service holds on the device after it. The caller keeps the copy."""
+        """In a worker thread: restore if not ``resident`` (into ``arena`` if given), run the
+        batch, measure what the service holds on the device after it. The caller keeps the
+        copy."""
         launch.done()  # the calls entered the runner
         began = self.clock()
         restore_s, found = 0.0, "device"
         if resident is None:
             t0 = time.perf_counter()
-            resident, found = self._restore(grant, entry)
+            resident, found = self._restore(grant, entry, arena)
             restore_s = time.perf_counter() - t0
         elif not self.state.in_host(entry.state_id):
             found = "device only"  # the host copy went to disk since; the arena is intact
@@ -403,22 +414,44 @@ class GpuExecutor:
             held += max(0, torch.cuda.max_memory_allocated(resident.device) - base)
         return Pass(restore_s, resident, outs, held, found, (began, ended))
 
-    def _restore(self, grant: Grant, entry: Prepared) -> tuple[Resident, str]:
-        """In a worker thread: the service onto the grant's chunk, promoted from disk to host
-        memory first if needed (and pinned there while it copies); where it was found."""
+    def _restore(
+        self, grant: Grant, entry: Prepared, arena: torch.Tensor | None = None
+    ) -> tuple[Resident, str]:
+        """In a worker thread: the service onto the grant's chunk (into ``arena``, memory an
+        evicted copy freed, if given), promoted from disk to host memory first if needed (and
+        pinned there while it copies); where it was found."""
         assert entry.copy is not None, "only a prepared service is restored"
         # one slice per device of the chunk, each through that device's own link; the model
         # runs on the first
-        paths = [self.devices.devices[p].torch_device for p in grant.placement.chunk.positions()]
+        paths = self._paths(grant)
         if not entry.state_id:  # a copy of its own (not in the tiers)
-            return entry.copy.restore(paths[0], paths=paths), "host"
+            return entry.copy.restore(paths[0], arena, paths=paths), "host"
         held = self.state.acquire(entry.state_id)
         try:
-            resident = entry.copy.restore(paths[0], paths=paths)
+            resident = entry.copy.restore(paths[0], arena, paths=paths)
             sync(resident.device)
         finally:
             self.state.release(held)
         return resident, "host" if held.was_host else "disk"
+
+    def _paths(self, grant: Grant) -> list[str]:
+        return [self.devices.devices[p].torch_device for p in grant.placement.chunk.positions()]
+
+    def _arena(self, grant: Grant, entry: Prepared) -> torch.Tensor | None:
+        """Memory an evicted copy freed, of the size this restore needs (arenas.py)."""
+        if entry.copy is None:
+            return None
+        return self.arenas.take(self._paths(grant)[0], entry.copy.nbytes)
+
+    def _drop(self, placement: Placement, entry: Prepared | None) -> None:
+        """Let an idle copy of ``entry`` go, nothing written back (the host copy is
+        invariant); its arena is kept for a later restore once its model no longer views it
+        (``release``; a tensor its handler kept still does: then the arena is not kept)."""
+        resident = self.catalog.loaded.pop(placement, None)
+        if resident is not None and entry is not None and entry.copy is not None:
+            arena = entry.copy.release(resident)
+            del resident
+            self.arenas.give(arena)
 
     # ------------------------------------------------------------------ prefetch
 
@@ -454,8 +487,11 @@ class GpuExecutor:
         if grant is None:
             return False
         loop = asyncio.get_running_loop()
+        arena = self._arena(grant, entry)
         try:
-            resident, _ = await loop.run_in_executor(self._runner, self._restore, grant, entry)
+            resident, _ = await loop.run_in_executor(
+                self._runner, self._restore, grant, entry, arena
+            )
         except Exception:  # a hint is never an error: its calls will restore it themselves
             log.warning("prefetch of %s onto %s failed", key, grant.placement, exc_info=True)
             self.residency.release(aid, self.clock(), resident=False)

@@ -188,6 +188,13 @@ class HostCopy:
         self._spares.append(_rebound_meta(resident.model, self.layout))
         return resident.arena
 
+    def release(self, resident: Resident) -> torch.Tensor:
+        """Let a resident go, its model not kept: its state is pointed at ``meta`` tensors, so
+        nothing of the model views the arena any more (even while the model itself lives on,
+        in a reference cycle or a handler's closure). Returns the arena."""
+        _rebound_meta(resident.model, self.layout)
+        return resident.arena
+
     def _arena(self, device: torch.device, arena: torch.Tensor | None) -> torch.Tensor:
         if arena is None:
             return torch.empty(self.nbytes, dtype=torch.uint8, device=device)

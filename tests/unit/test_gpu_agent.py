@@ -238,6 +238,33 @@ async def test_a_calls_execution_is_timed_in_the_worker_not_across_the_hops(node
         assert done.finished_at - done.started_at >= done.restore_s
 
 
+async def test_a_restore_after_an_eviction_copies_into_the_memory_it_freed(node: Node):
+    """On CPU devices an evicted copy's arena is kept and the next restore of its size copies
+    into it (arenas.py: what CUDA's caching allocator does), outputs unchanged."""
+    await node.prepare(ServiceSpec("a", f"{M}:wide_a"), ServiceSpec("b", f"{M}:wide_b"))
+    x = [0.25] * 8
+    for i, svc in enumerate("abab"):  # one 1 MB device: each call evicts the other service
+        await node.call(f"r{i}", svc, x)
+        done = await node.outcome(f"r{i}")
+        assert done.restore_s > 0
+        assert done.output == direct(gpu_models.wide_a if svc == "a" else gpu_models.wide_b, x)
+    assert node.executor.arenas.reused == 3  # every restore but the first
+
+
+async def test_memory_a_handler_still_views_is_not_reused(node: Node):
+    await node.prepare(ServiceSpec("c", f"{M}:clinging_service"), ServiceSpec("b", f"{M}:wide_b"))
+    gpu_models.KEPT.clear()
+    await node.call("k1", "c", [0.5] * 8)
+    await node.outcome("k1")
+    kept = gpu_models.KEPT[0].clone()
+    await node.call("k2", "b", [0.5] * 8)  # evicts c, whose handle holds one of its tensors
+    await node.outcome("k2")
+    await node.call("k3", "c", [0.5] * 8)  # evicts b: b's arena is free to reuse
+    await node.outcome("k3")
+    assert node.executor.arenas.reused == 1  # k3 took b's; k2 allocated afresh
+    assert torch.equal(gpu_models.KEPT[0], kept)  # what the handle kept was never written over
+
+
 async def test_a_service_that_outgrows_its_device_is_re_measured_and_fits_once_room_is_made(
     node: Node,
 ):

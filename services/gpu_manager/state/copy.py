@@ -86,3 +86,8 @@ class StoredCopy:
         """Release a resident (nothing is written back); its model is kept for the next restore."""
         self._spares.append(_rebound_meta(resident.model, self.layout))
         return resident.arena
+
+    def release(self, resident: Resident) -> torch.Tensor:
+        """``HostCopy.release``: the resident's model let go, its state on ``meta``; the arena."""
+        _rebound_meta(resident.model, self.layout)
+        return resident.arena
