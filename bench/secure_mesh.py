@@ -56,7 +56,7 @@ async def point(client: Client, actions: int, in_flight: int, trajectories: int)
         "actions": actions,
         "in_flight": in_flight,
         "wall_s": round(wall, 2),
-        "completed_per_s": round(actions / wall, 1),
+        "completed_per_s": round(outcomes["succeeded"] / wall, 1),  # failures excluded
         "outcomes": dict(outcomes),
     }
 

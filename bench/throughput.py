@@ -78,6 +78,8 @@ NOTES = {
 
 
 def pct(xs: list[float], p: int) -> float:
+    if not xs:
+        return float("nan")  # nothing succeeded: no latency to report
     return statistics.quantiles(xs, n=100, method="inclusive")[p - 1] if len(xs) > 1 else xs[0]
 
 
@@ -114,9 +116,10 @@ async def offered(client: Client, rate: int, seconds: float, trajectories: int) 
     sent = time.perf_counter() - start
     await asyncio.gather(*tasks)
     wall = time.perf_counter() - start
-    totals = [t for t, _, _ in out]
-    overheads = [max(0.0, t - e) for t, e, _ in out]
-    succeeded = sum(ok is True for _, _, ok in out)
+    done = [(t, e) for t, e, ok in out if ok is True]  # a failure's time is no latency sample
+    totals = [t for t, _ in done]
+    overheads = [max(0.0, t - e) for t, e in done]
+    succeeded = len(done)
     return {
         "offered_per_s": rate,
         "submitted": n,
@@ -134,7 +137,7 @@ async def offered(client: Client, rate: int, seconds: float, trajectories: int) 
             "p50": round(1000 * pct(overheads, 50), 3),
             "p99": round(1000 * pct(overheads, 99), 3),
         },
-        "exec_ms_p50": round(1000 * pct([e for _, e, _ in out], 50), 3),
+        "exec_ms_p50": round(1000 * pct([e for _, e in done], 50), 3),
     }
 
 
