@@ -2,6 +2,9 @@
 
 Single pool (``ElasticPolicy.arrange``, the call the live core makes per node) and the GPU chunk
 pool (``arrange_chunks``), over queues of 10..2000 actions, up to 256 cores and 5 x 8 GPUs.
+``p50_us`` / ``p99_us``: the same queue decided again and again, as the live core does pass
+after pass (each action's row remembered); ``cold_*`` (single pool): the first decision over
+actions never seen, every row computed.
 
 ``--core`` (issue 13) measures only the whole scheduler core's CPU per action in steady state
 (``bench.core_cost``) with 100..100,000 actions queued, and merges it into the same JSON.
@@ -10,6 +13,7 @@ pool (``arrange_chunks``), over queues of 10..2000 actions, up to 256 cores and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import platform
@@ -20,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import core_cost
+from services.scheduler.policies import elastic
 from services.scheduler.policies.base import Running, Waiting
 from services.scheduler.policies.elastic import ElasticPolicy
 
@@ -38,6 +43,26 @@ def timed(fn: Callable[[], object], reps: int = REPS) -> dict[str, float]:
     return {
         "p50_us": round(float(np.percentile(a, 50)), 1),
         "p99_us": round(float(np.percentile(a, 99)), 1),
+    }
+
+
+def timed_cold(
+    decide: Callable[[list[Waiting]], object], w: list[Waiting], reps: int = REPS
+) -> dict[str, float]:
+    """``timed`` of the first decision over actions the policy has not seen: fresh ``Waiting``
+    objects and no row remembered for their hints (the first pass after a burst arrives); the
+    fresh objects are made and the caches cleared outside the timed call."""
+    samples = []
+    for _ in range(reps):
+        fresh = [dataclasses.replace(x) for x in w]
+        elastic.forget_rows()
+        t0 = time.perf_counter_ns()
+        decide(fresh)
+        samples.append((time.perf_counter_ns() - t0) / 1e3)
+    a = np.array(samples)
+    return {
+        "cold_p50_us": round(float(np.percentile(a, 50)), 1),
+        "cold_p99_us": round(float(np.percentile(a, 99)), 1),
     }
 
 
@@ -90,6 +115,12 @@ def single_pool(rng: np.random.Generator) -> list[dict[str, object]]:
                         "candidates": min(cands, len(w)),
                         "running": len(busy),
                         **timed(functools.partial(policy.arrange, w, free, cores, busy, 0.0)),
+                        **timed_cold(
+                            lambda fresh, p=policy, f=free, c=cores, b=busy: p.arrange(
+                                fresh, f, c, b, 0.0
+                            ),
+                            w,
+                        ),
                     }
                 )
     return rows

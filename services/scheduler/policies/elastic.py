@@ -109,6 +109,12 @@ def _min_row(units: int, duration_s: float) -> Row:
     return Row(Task(np.array([units], dtype=np.int64), np.array([duration_s])), False)
 
 
+def forget_rows() -> None:
+    """Drop every remembered row (benchmarks of the first decision over new actions)."""
+    _min_row.cache_clear()
+    _model_row.cache_clear()
+
+
 @lru_cache(maxsize=8192)
 def _model_row(choices: tuple[int, ...], model: DurationModel) -> Row:
     """Rows depend on the allowed units and the (frozen, hashable) model only: computed once
