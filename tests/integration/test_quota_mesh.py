@@ -86,6 +86,25 @@ async def test_rate_limit_held_and_nearly_reached(qclient, uid):
     assert server.counters.peak_per_second >= 9, server.counters.peak_per_second
 
 
+async def test_results_carry_the_limiters_wait(qclient, uid):
+    """``wait_s`` is the part of ``queue_s`` the limiter imposed: nothing for a call into an
+    idle quota; for thirteen calls at ten a second the last ones wait most of a second; never
+    the hops after the grant (the dispatch to the agent), so always less than ``queue_s``."""
+    async with RateLimitedServer(ServerConfig(per_second=1000, concurrency=100)) as server:
+        await qclient.set_quota(QuotaSpec(f"w{uid}", per_second=10, hosts=(host(server),)))
+        url = f"{server.url}/call"
+        alone = await qclient.http("GET", url, quota=f"w{uid}", job_id=uid)
+        paced = await asyncio.gather(
+            *(qclient.http("GET", url, quota=f"w{uid}", job_id=uid) for _ in range(12))
+        )
+    timings = [r.timings for r in (alone, *paced)]
+    assert all(r.ok for r in (alone, *paced))
+    assert all(t is not None and 0.0 <= t.wait_s < t.queue_s for t in timings), timings
+    assert alone.timings is not None
+    assert alone.timings.wait_s == 0.0
+    assert max(t.wait_s for t in timings if t is not None) >= 0.5, timings
+
+
 async def test_window_and_token_limits_queue_beyond_them(qclient, uid):
     async with RateLimitedServer(ServerConfig(per_second=1000, concurrency=100)) as server:
         hosts = (host(server),)

@@ -154,6 +154,12 @@ class Timings(_Msg):
     exec_s: float = 0.0
     overhead_s: float = 0.0
     restore_s: float = 0.0  # of exec_s: bringing a model service onto its GPUs
+    # Of queue_s: the time an http or lease action waited for its quota's limiter (or the
+    # calls ahead of it in the quota's fair queue) to admit it, until the limiter could, not
+    # until the scheduling pass that dispatched it; summed over a retried call's tries (each
+    # waits again); up to its end for one cancelled or timed out while waiting. Not counted:
+    # a wait before a scheduler restart. 0 for other kinds.
+    wait_s: float = 0.0
 
 
 class ActionResult(_Msg, tag="result"):

@@ -108,10 +108,13 @@ def verdict(
     now: float,
     allocation: Allocation | None = None,
     started_at: float | None = None,
+    wait_s: float = 0.0,
 ) -> ActionResult:
-    """A result the scheduler decides itself: an infrastructure failure or a cancellation."""
+    """A result the scheduler decides itself: an infrastructure failure or a cancellation
+    (``wait_s``: a quota action's limiter wait, see ``Timings``)."""
     submitted = action.submitted_at
     queue_end = started_at if started_at is not None else now
+    queue_s = max(0.0, queue_end - submitted)
     return ActionResult(
         action_id=action.spec.action_id,
         status=status_of(ActionError(kind=kind)),
@@ -121,8 +124,9 @@ def verdict(
             submitted_at=submitted,
             started_at=started_at,
             finished_at=now,
-            queue_s=max(0.0, queue_end - submitted),
+            queue_s=queue_s,
             overhead_s=max(0.0, now - submitted),
+            wait_s=_part(wait_s, queue_s),
         ),
         attempt=action.attempt,
         job_id=action.spec.job_id,
@@ -131,13 +135,20 @@ def verdict(
 
 
 def completed(
-    action: UnifiedAction, outcome: Outcome, allocation: Allocation, *, now: float
+    action: UnifiedAction,
+    outcome: Outcome,
+    allocation: Allocation,
+    *,
+    now: float,
+    wait_s: float = 0.0,
 ) -> ActionResult:
     """The user's result from what the node saw: status and error from the one vocabulary,
-    end-to-end timings from the action's submission to ``now``."""
+    end-to-end timings from the action's submission to ``now`` (``wait_s``: a quota action's
+    limiter wait, see ``Timings``)."""
     started = outcome.started_at if outcome.started_at is not None else now
     finished = outcome.finished_at if outcome.finished_at is not None else now
     exec_s = max(0.0, finished - started)
+    queue_s = max(0.0, started - action.submitted_at)
     total = max(0.0, now - action.submitted_at)
     error = None if _answered(action, outcome) else error_of(outcome)
     return ActionResult(
@@ -154,10 +165,11 @@ def completed(
             submitted_at=action.submitted_at,
             started_at=started,
             finished_at=finished,
-            queue_s=max(0.0, started - action.submitted_at),
+            queue_s=queue_s,
             exec_s=exec_s,
             overhead_s=max(0.0, total - exec_s),
             restore_s=outcome.restore_s,
+            wait_s=_part(wait_s, queue_s),
         ),
         attempt=action.attempt,
         job_id=action.spec.job_id,
@@ -165,6 +177,12 @@ def completed(
         output=outcome.output,
         http=outcome.http,
     )
+
+
+def _part(wait_s: float, queue_s: float) -> float:
+    """The limiter wait as a part of ``queue_s``: the scheduler's clock timed the one, the
+    gateway's and the agent's the other (another machine's may differ a little)."""
+    return min(max(0.0, wait_s), queue_s)
 
 
 def _answered(action: UnifiedAction, outcome: Outcome) -> bool:

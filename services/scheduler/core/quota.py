@@ -15,6 +15,11 @@ new grant, so it spends quota, and it is charged to its job's fair share like an
 is granted here, without a dispatch: it ends ``succeeded`` carrying its ``LeaseGrant`` (the
 lease id is the action id) and its units stay held until ``lease_end`` or its TTL runs out.
 
+An action's limiter wait (``Timings.wait_s``, summed over a retried call's tries) runs from
+its receipt here until its quota could admit it: the time the limiter's refusal of the queue's
+head named, or the release that ended a refusal until one (``Quota.admits_from``); the pass
+that grants it after that, and a wait for a quota agent, are the system's.
+
 A call whose agent dies is not retried (the upstream may have seen it): it fails ``node_died``;
 its unit is free again, its window entry stays (it was spent once, and counted once).
 
@@ -49,6 +54,7 @@ from services.scheduler.core.quota_books import (
     call_result,
     judge,
     lease_result,
+    limiter_wait,
     max_retries,
     reports,
     sent_at,
@@ -88,6 +94,8 @@ class QuotaCore:
         # per quota: the units its waiting actions ask (the fair queues also hold the entries
         # of cancelled and timed-out ones until they come up: they must not pace the others)
         self._asked: Counter[str] = Counter()
+        # per waiting action: when its present wait began and its earlier tries' limiter waits
+        self._since: dict[str, tuple[float, float]] = {}
         self.calls: dict[str, Call] = {}
         self.killed: dict[str, Call] = {}  # ended at their kill deadline, unit still held
         self.leases: dict[str, Lease] = {}
@@ -113,6 +121,7 @@ class QuotaCore:
             return
         q.spec = spec
         q.limiter.respec(spec)
+        q.freed(now, respec=True)
 
     def states(self, now: float) -> tuple[QuotaState, ...]:
         """Every quota with what its limiter learned and holds."""
@@ -157,28 +166,37 @@ class QuotaCore:
                 action, verdict(action, ErrorKind.INVALID_REQUEST, problem, now=now)
             )
             return []
-        self._wait(action)
+        self._wait(action, now)
         self.quotas[ask.quota].queue.push(action.spec.job_id, aid, float(ask.units))
         return []
 
-    def _wait(self, action: UnifiedAction) -> None:
+    def _wait(self, action: UnifiedAction, now: float, before: float = 0.0) -> None:
+        """Hold ``action`` for its quota from ``now`` (``before``: its earlier tries' waits)."""
+        aid = action.spec.action_id
         ask = ask_of(action)
-        if ask is not None and action.spec.action_id not in self.waiting:
-            self._asked[ask.quota] += ask.units
-        self.waiting[action.spec.action_id] = action
+        if aid not in self.waiting:
+            self._since[aid] = (now, before)
+            if ask is not None:
+                self._asked[ask.quota] += ask.units
+        self.waiting[aid] = action
         limit = action.spec.queue_timeout_s
         if limit is not None:
             self._timeouts.add(action.submitted_at + limit, action.spec.action_id)
 
-    def _unwait(self, action_id: str) -> UnifiedAction | None:
-        """Take a waiting action out (granted, cancelled, timed out)."""
-        action = self.waiting.pop(action_id, None)
-        ask = None if action is None else ask_of(action)
+    def _unwait(self, action: UnifiedAction, now: float) -> float:
+        """Take a waiting action out (granted, cancelled, timed out): its limiter waits up to
+        ``now``, every try's (``Timings.wait_s``)."""
+        aid = action.spec.action_id
+        del self.waiting[aid]
+        since, before = self._since.pop(aid)
+        ask = ask_of(action)
+        q = None if ask is None else self.quotas.get(ask.quota)
         if ask is not None:
             self._asked[ask.quota] -= ask.units
             if self._asked[ask.quota] <= 0:
                 del self._asked[ask.quota]
-        return action
+        admits_from = -math.inf if q is None else q.admits_from
+        return before + limiter_wait(since, admits_from, now)
 
     def _refusal(self, name: str, units: int, tokens: int) -> str:
         q = self.quotas.get(name)
@@ -313,6 +331,7 @@ class QuotaCore:
             now=now,
             allocation=Allocation(node_id=call.node_id, quota=call.quota),
             started_at=call.started_at,
+            wait_s=call.waited_s,
         )
         return self._finish(call.action, result)
 
@@ -320,17 +339,20 @@ class QuotaCore:
         """The agent never got this dispatch: queue it again (its window entry stays spent)."""
         del self.calls[call.action.spec.action_id]
         self._release(call, now)
-        self._requeue(call.action)
+        self._requeue(call, now)
 
     def _release(self, call: Call, now: float) -> None:
         q = self.quotas.get(call.quota)
         if q is not None:
             q.limiter.release(call.grant, now)
+            q.freed(now)
 
-    def _requeue(self, action: UnifiedAction) -> None:
+    def _requeue(self, call: Call, now: float) -> None:
+        """Queue the call's action again: it waits anew, its earlier waits carried."""
+        action = call.action
         ask = ask_of(action)
         if ask is not None and ask.quota in self.quotas:
-            self._wait(action)
+            self._wait(action, now, call.waited_s)
             self.quotas[ask.quota].queue.push(action.spec.job_id, action.spec.action_id)
 
     def still_assigned(self, action_id: str, node_id: str, attempt: int) -> bool:
@@ -359,11 +381,12 @@ class QuotaCore:
         judged = judge(c.outcome, tries, max_retries(call.action))
         if judged.retry and call.kill_by is not None:
             why = "cancelled by the client"
-            return self._finish(
-                call.action, verdict(call.action, ErrorKind.CANCELLED, why, now=now)
+            cancelled = verdict(
+                call.action, ErrorKind.CANCELLED, why, now=now, wait_s=call.waited_s
             )
+            return self._finish(call.action, cancelled)
         if judged.retry:
-            self._requeue(call.action)
+            self._requeue(call, now)
             return []
         return self._finish(call.action, call_result(call, c.outcome, judged, now))
 
@@ -386,6 +409,7 @@ class QuotaCore:
             status=status,
             retry_after_s=None if hints is None else hints.retry_after_s,
         )
+        q.freed(now)
 
     def lease_end(self, end: LeaseEnd, now: float) -> None:
         """A client released a lease, with what its call saw; unknown or expired: harmless."""
@@ -401,13 +425,17 @@ class QuotaCore:
             status=end.status,
             retry_after_s=end.retry_after_s,
         )
+        q.freed(now)
 
     def cancel(
         self, action_id: str, now: float, why: str = "cancelled by the client"
     ) -> list[Effect]:
-        action = self._unwait(action_id)
+        action = self.waiting.get(action_id)
         if action is not None:  # its fair-queue entry is skipped when it comes up
-            return self._finish(action, verdict(action, ErrorKind.CANCELLED, why, now=now))
+            waited = self._unwait(action, now)
+            return self._finish(
+                action, verdict(action, ErrorKind.CANCELLED, why, now=now, wait_s=waited)
+            )
         call = self.calls.get(action_id)
         if call is None:
             return []
@@ -455,9 +483,10 @@ class QuotaCore:
             if not now - act.submitted_at > limit:  # due to the float, not yet past it
                 self._timeouts.add(at, aid)
                 continue
-            self._unwait(aid)
+            waited = self._unwait(act, now)
             why = f"waited more than {limit}s for its quota"
-            effects += self._finish(act, verdict(act, ErrorKind.QUEUE_TIMEOUT, why, now=now))
+            timed_out = verdict(act, ErrorKind.QUEUE_TIMEOUT, why, now=now, wait_s=waited)
+            effects += self._finish(act, timed_out)
         self._timeouts.keep(self.waiting.__contains__, 2 * len(self.waiting) + STALE_DEADLINES)
         return effects
 
@@ -484,7 +513,14 @@ class QuotaCore:
             self.killed[aid] = call
             why = f"cancelled; quota agent {call.node_id} did not confirm the kill in time"
             allocation = Allocation(node_id=call.node_id, quota=call.quota)
-            result = verdict(call.action, ErrorKind.CANCELLED, why, now=now, allocation=allocation)
+            result = verdict(
+                call.action,
+                ErrorKind.CANCELLED,
+                why,
+                now=now,
+                allocation=allocation,
+                wait_s=call.waited_s,
+            )
             effects += self._finish(call.action, result)
         return effects
 
@@ -509,6 +545,8 @@ class QuotaCore:
         return effects
 
     def _grant(self, q: Quota, now: float) -> list[Effect]:
+        """Grant the heads of ``q``'s fair queue while its limiter admits them; a refusal
+        says until when the head waits for the limiter (``Quota.admits_from``)."""
         effects: list[Effect] = []
         while (head := q.queue.peek()) is not None:
             action = self.waiting.get(head[1])
@@ -525,10 +563,12 @@ class QuotaCore:
             except InvalidRequest as exc:  # the quota changed under it
                 got = exc
             if isinstance(got, WaitUntil):
+                q.refused(got.at)
                 break
             q.queue.pop()
-            self._unwait(action.spec.action_id)
-            effects += self._start(q, action, got, agent, now)
+            effects += self._start(q, action, got, agent, now, self._unwait(action, now))
+        if not len(q.queue):
+            q.admits_from = -math.inf  # the next arrival waits only if refused
         return effects
 
     def _start(
@@ -538,17 +578,21 @@ class QuotaCore:
         got: Grant | InvalidRequest,
         agent: Agent | None,
         now: float,
+        waited: float,
     ) -> list[Effect]:
         if isinstance(got, InvalidRequest):
-            return self._finish(
-                action, verdict(action, ErrorKind.INVALID_REQUEST, got.message, now=now)
+            refused = verdict(
+                action, ErrorKind.INVALID_REQUEST, got.message, now=now, wait_s=waited
             )
+            return self._finish(action, refused)
         q.calls += 1
         action = msgspec.structs.replace(action, attempt=action.attempt + 1)
         if agent is None:
-            return self._lease(q, action, got, now)
+            return self._lease(q, action, got, now, waited)
         aid = action.spec.action_id
-        call = Call(action, q.spec.name, got, agent.node_id, agent.incarnation, now)
+        call = Call(
+            action, q.spec.name, got, agent.node_id, agent.incarnation, now, waited_s=waited
+        )
         self.calls[aid] = call
         agent.in_flight += 1
         self.issued += 1  # see Dispatch.issued
@@ -563,14 +607,16 @@ class QuotaCore:
         )
         return [call.sent]
 
-    def _lease(self, q: Quota, action: UnifiedAction, got: Grant, now: float) -> list[Effect]:
+    def _lease(
+        self, q: Quota, action: UnifiedAction, got: Grant, now: float, waited: float
+    ) -> list[Effect]:
         act = action.spec.action
         ttl = act.ttl_s if isinstance(act, LeaseAction) else 60.0
         lease = self.leases[action.spec.action_id] = Lease(
             action.spec.action_id, q.spec.name, got, now + ttl
         )
         self._expiries.add(lease.expires_at, lease.lease_id)
-        return self._finish(action, lease_result(action, lease, now))
+        return self._finish(action, lease_result(action, lease, now, waited))
 
     def _pick_agent(self) -> Agent | None:
         """The live, not draining quota agent with the fewest calls in flight."""

@@ -51,6 +51,23 @@ class Quota:
     queue: FairQueue[str]
     calls: int = 0
     throttled: int = 0
+    # Since when the limiter admits the head of the queue: the time its last refusal named
+    # (inf: a release), the release or changed spec that ended such a wait, -inf once the queue
+    # was empty. A wait ends here, not at the pass that grants (see ``limiter_wait``).
+    admits_from: float = -math.inf
+
+    def refused(self, at: float) -> None:
+        """The limiter refused the head until ``at`` (``inf``: until a release)."""
+        self.admits_from = at
+
+    def freed(self, now: float, *, respec: bool = False) -> None:
+        """Units released (or the spec changed) at ``now``: a head refused until a release
+        is admitted from now (any head, on a new spec); the next pass refuses it again if
+        not. A refusal until a known time stands: a release does not move a window's or a
+        pause's time (a token true-up, or cancelled calls ending a pace, could: such a wait
+        ends at the pass that grants, a pass late)."""
+        if respec or self.admits_from == math.inf:
+            self.admits_from = min(self.admits_from, now)
 
     @classmethod
     def new(cls, spec: QuotaSpec, cfg: QuotaConfig, now: float) -> Quota:
@@ -90,6 +107,7 @@ class Call:
     kill_by: float | None = None
     sent: StartOnNode | None = None  # the dispatch, sent once more if its agent never read it
     sent_at: float | None = None  # when it was last sent (None: at ``started_at``)
+    waited_s: float = 0.0  # its limiter waits, this try's and the earlier ones' (Timings.wait_s)
 
 
 @dataclass
@@ -148,6 +166,16 @@ def ask_of(action: UnifiedAction) -> Ask | None:
         case LeaseAction(quota=quota, units=units, tokens=tokens):
             return Ask(quota, units, tokens, lease=True)
     return None
+
+
+def limiter_wait(since: float, admits_from: float, now: float) -> float:
+    """The limiter's part of a wait from ``since`` to ``now``: until the quota admitted its
+    head (``Quota.admits_from``), or all of it while still refused. The rest (the pass that
+    came after, a quota agent to dispatch to) is the system's. Calls granted together by one
+    late pass all take the head's time, though the later ones may have fitted only at later
+    expiries: their waits err short, by at most that pass's lateness (a saturated quota is
+    paced, one grant per pace)."""
+    return max(0.0, min(now, max(since, admits_from)) - since)
 
 
 def max_retries(action: UnifiedAction) -> int:
@@ -211,12 +239,14 @@ def call_result(call: Call, outcome: Outcome, judged: Verdict, now: float) -> Ac
         outcome, http=http, failure=judged.failure, detail=judged.detail
     )
     allocation = Allocation(node_id=call.node_id, quota=call.quota)
-    return completed(call.action, facts, allocation, now=now)
+    return completed(call.action, facts, allocation, now=now, wait_s=call.waited_s)
 
 
-def lease_result(action: UnifiedAction, lease: Lease, now: float) -> ActionResult:
+def lease_result(
+    action: UnifiedAction, lease: Lease, now: float, waited_s: float = 0.0
+) -> ActionResult:
     """A granted lease: ``succeeded`` at once, carrying its grant (the lease id is the action
-    id, so a rebuild finds it in the action's stored result)."""
+    id, so a rebuild finds it in the action's stored result) and its limiter wait."""
     grant = LeaseGrant(
         lease_id=lease.lease_id,
         quota=lease.quota,
@@ -225,7 +255,8 @@ def lease_result(action: UnifiedAction, lease: Lease, now: float) -> ActionResul
         tokens=lease.grant.tokens,
     )
     facts = Outcome(exit_code=0, started_at=now, finished_at=now)
-    result = completed(action, facts, Allocation(node_id="", quota=lease.quota), now=now)
+    allocation = Allocation(node_id="", quota=lease.quota)
+    result = completed(action, facts, allocation, now=now, wait_s=waited_s)
     return msgspec.structs.replace(result, exit_code=None, lease=grant)
 
 
