@@ -23,8 +23,9 @@ def sync(device: torch.device) -> None:
 
 
 def measure_bandwidth(inv: devices.Inventory) -> float:
-    """Host -> device copy bandwidth (GB/s) per link: a plain preallocated copy into the first
-    device of each link, best of three; the slowest link's (the CPU stand-ins: one link)."""
+    """Host -> device copy bandwidth (decimal GB/s: 1e9 bytes) per link: a plain preallocated
+    copy into the first device of each link, best of three; the slowest link's (the CPU
+    stand-ins: one link)."""
     firsts = {d.link: d for d in reversed(inv.devices)}
     return min((_copy_rate(torch.device(d.torch_device)) for d in firsts.values()), default=0.0)
 
@@ -45,7 +46,7 @@ def _copy_rate(device: torch.device, src: torch.Tensor | None = None) -> float:
 
 
 def measure_gather(inv: devices.Inventory) -> float:
-    """Device -> device bandwidth (GB/s) of the gather after a sliced restore (CUDA: the
+    """Device -> device bandwidth (decimal GB/s) of the gather after a sliced restore (CUDA: the
     second device into the first); 0 where the slices land in the arena directly (CPU)."""
     if inv.kind != "cuda" or len(inv.devices) < 2:
         return 0.0

@@ -25,32 +25,45 @@ from tangram.contract import (
 from .test_scheduler_gpu import core_with, infer, prepared
 
 MB = 8192.0  # 8 GiB
+GB = MB * 2**20 / 1e9  # the same bytes in decimal GB (8.59), the unit of a GB/s rate
+ONE_LINK_S = GB / 2.0  # 8 GiB through one link at 2 GB/s: 4.29 s
+
+
+def test_a_restore_prices_mib_against_decimal_gb_per_s() -> None:
+    """Footprints are MiB (2**20 bytes); the agents measure bandwidth in GB (1e9 bytes) a
+    second (``bandwidth.py``, ``bench/gpu.py``): 1000 MiB are 1.048576 GB, 1 s at that rate."""
+    assert gpu.restore_cost(1000, (0,), 1.048576) == pytest.approx(1.0)
+    assert gpu.restore_cost(1000, (0, 1), 0.524288) == pytest.approx(1.0)  # a slice per link
+    assert gpu.restore_cost(1000, (0, 1), 1e6, 0.262144) == pytest.approx(2.0, rel=1e-5)
 
 
 @pytest.mark.parametrize(
-    ("links", "seconds"),
+    ("links", "busiest_share"),
     [
-        ((0,), 4.0),  # one GPU: the whole model through its link
-        ((0, 0, 0, 0), 4.0),  # CPU stand-ins: one memory system, no gain
-        ((-1, -1), 4.0),  # not reported: an older agent restores through one device
-        ((0, 1, 2, 3), 1.0),  # a link per GPU: k times less per link
-        ((0, 1, 2, 3, 4, 5, 6, 7), 0.5),
-        ((0, 0, 1, 1), 2.0),  # two per PCIe switch: min(k, links) = 2
-        ((0, 0, 0, 1), 3.0),  # uneven: the busiest link carries three slices of four
+        ((0,), 1.0),  # one GPU: the whole model through its link
+        ((0, 0, 0, 0), 1.0),  # CPU stand-ins: one memory system, no gain
+        ((-1, -1), 1.0),  # not reported: an older agent restores through one device
+        ((0, 1, 2, 3), 0.25),  # a link per GPU: k times less per link
+        ((0, 1, 2, 3, 4, 5, 6, 7), 0.125),
+        ((0, 0, 1, 1), 0.5),  # two per PCIe switch: min(k, links) = 2
+        ((0, 0, 0, 1), 0.75),  # uneven: the busiest link carries three slices of four
     ],
 )
-def test_the_busiest_link_sets_the_restore_time(links: tuple[int, ...], seconds: float) -> None:
-    assert gpu.restore_cost(MB, links, 2.0) == pytest.approx(seconds)
+def test_the_busiest_link_sets_the_restore_time(
+    links: tuple[int, ...], busiest_share: float
+) -> None:
+    assert gpu.restore_cost(MB, links, 2.0) == pytest.approx(busiest_share * ONE_LINK_S)
 
 
 def test_a_gather_adds_the_bytes_loaded_through_the_other_devices() -> None:
     # 8 GiB over 4 links at 2 GB/s, then 3/4 of it device to device at 24 GB/s
-    assert gpu.restore_cost(MB, (0, 1, 2, 3), 2.0, 24.0) == pytest.approx(1.0 + 6.0 / 24.0)
-    assert gpu.restore_cost(MB, (0,), 2.0, 24.0) == pytest.approx(4.0)  # nothing to gather
+    both = GB / 4 / 2.0 + GB * 3 / 4 / 24.0
+    assert gpu.restore_cost(MB, (0, 1, 2, 3), 2.0, 24.0) == pytest.approx(both)
+    assert gpu.restore_cost(MB, (0,), 2.0, 24.0) == pytest.approx(ONE_LINK_S)  # no gather
 
 
 def test_an_unmeasured_bandwidth_falls_back_to_a_pcie_link() -> None:
-    assert gpu.restore_cost(MB, (0,), 0.0) == pytest.approx(8.0 / gpu.DEFAULT_RESTORE_GB_PER_S)
+    assert gpu.restore_cost(MB, (0,), 0.0) == pytest.approx(GB / gpu.DEFAULT_RESTORE_GB_PER_S)
 
 
 def _facts(links: tuple[int, ...], footprint: int = 8192) -> GpuFacts:
@@ -67,9 +80,9 @@ def _facts(links: tuple[int, ...], footprint: int = 8192) -> GpuFacts:
 def test_the_core_prices_a_chunk_by_its_own_links_else_the_slowest() -> None:
     facts = _facts((0, 1, 2, 3, 4, 4, 4, 4))  # the upper half behind one switch
     assert facts.links == (0, 1, 2, 3, 4, 4, 4, 4)
-    assert gpu.restore_s(facts, "judge", 4, Chunk(0, 4)) == pytest.approx(1.0)
-    assert gpu.restore_s(facts, "judge", 4, Chunk(4, 4)) == pytest.approx(4.0)
-    assert gpu.restore_s(facts, "judge", 4) == pytest.approx(4.0)  # chunk unknown: slowest
+    assert gpu.restore_s(facts, "judge", 4, Chunk(0, 4)) == pytest.approx(ONE_LINK_S / 4)
+    assert gpu.restore_s(facts, "judge", 4, Chunk(4, 4)) == pytest.approx(ONE_LINK_S)
+    assert gpu.restore_s(facts, "judge", 4) == pytest.approx(ONE_LINK_S)  # unknown: slowest
     old = gpu_sched.new_facts(Inventory(kind="gpu", gpus=(GpuDevice(index=0, memory_mb=1),)))
     assert old.links == (-1,)
     assert old.gather_gb_per_s == 0.0
@@ -83,7 +96,8 @@ def _report(links: tuple[int, ...]) -> NodeReport:
 
 def test_a_dispatch_predicts_its_end_with_the_sliced_restore() -> None:
     """The same cold call on 4 GPUs: with a link per GPU its restore (8 GiB at 2 GB/s per
-    link) takes 1 s, with one shared link 4 s; the core's predicted end moves by the 3 s."""
+    link) takes 1.07 s, with one shared link 4.29 s; the core's predicted end moves by the
+    difference."""
     hint = DurationHint(t_ori_s=100.0, parallel_fraction=1.0)
     ends = []
     for links in [(0, 1, 2, 3, 4, 5, 6, 7), (0,) * 8]:
@@ -92,7 +106,7 @@ def test_a_dispatch_predicts_its_end_with_the_sliced_restore() -> None:
         (start,) = [e for e in core.schedule(0.0) if isinstance(e, StartOnNode)]
         assert len(start.gpus) == 4
         ends.append(core.gpu._ends["a"])
-    assert ends[1] - ends[0] == pytest.approx(4.0 - 1.0)
+    assert ends[1] - ends[0] == pytest.approx(ONE_LINK_S * 3 / 4)
 
 
 # ---------------------------------------------------------------- review (R2): prices from a
@@ -105,8 +119,8 @@ def test_an_older_agents_price_is_the_whole_model_through_one_link() -> None:
     for n in (1, 2, 4, 8):
         facts = _facts((-1,) * 8)
         facts.services[("judge", n)] = PreparedService(name="judge", dop=n, footprint_mb=8192)
-        assert gpu.restore_s(facts, "judge", n, Chunk(0, n)) == pytest.approx(4.0)
-        assert gpu.restore_s(facts, "judge", n) == pytest.approx(4.0)
+        assert gpu.restore_s(facts, "judge", n, Chunk(0, n)) == pytest.approx(ONE_LINK_S)
+        assert gpu.restore_s(facts, "judge", n) == pytest.approx(ONE_LINK_S)
 
 
 @pytest.mark.parametrize("rate", [5e-324, 1e-300, 0.0, -3.0, float("nan"), float("inf")])
@@ -152,7 +166,7 @@ def test_an_older_agents_inventory_decodes_with_the_defaults() -> None:
 
 def test_a_dispatch_is_priced_on_its_granted_chunk_by_position_not_index() -> None:
     """GPUs 10..17, the first four behind one switch and GPU 10 down: the 4-GPU grant goes to
-    14..17, a link each (1 s), not to the slowest chunk of the node (4 s)."""
+    14..17, a link each (1.07 s), not to the slowest chunk of the node (4.29 s)."""
     hint = DurationHint(t_ori_s=100.0, parallel_fraction=1.0)
     ends = []
     for links in [(4, 4, 4, 4, 0, 1, 2, 3), (0,) * 8]:
@@ -171,4 +185,4 @@ def test_a_dispatch_is_priced_on_its_granted_chunk_by_position_not_index() -> No
         (start,) = [e for e in core.schedule(0.0) if isinstance(e, StartOnNode)]
         assert start.gpus == (14, 15, 16, 17)
         ends.append(core.gpu._ends["a"])
-    assert ends[1] - ends[0] == pytest.approx(4.0 - 1.0)
+    assert ends[1] - ends[0] == pytest.approx(ONE_LINK_S * 3 / 4)

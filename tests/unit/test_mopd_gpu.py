@@ -68,6 +68,33 @@ def test_pooled_never_two_calls_on_one_gpu_and_serves_all(
     assert not held
 
 
+@pytest.mark.parametrize("order", ["fcfs", "hrrs"])
+def test_a_simulated_gpu_holds_weights_in_its_weights_share_only(
+    order: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``WEIGHTS_SHARE`` of a GPU holds weights, the rest the running prefill's activations and
+    KV: the simulated agents cache copies within ``WEIGHTS_MB`` and report that as the GPU's
+    memory. Four GPUs and ten teachers: copies are evicted to make room."""
+    assert m.WEIGHTS_MB == m.GPU_MEMORY_MB * w.WEIGHTS_SHARE
+    cfg = m.Config(batch=60, rollout_s=20.0, gpus=4, restore_gb_per_s=10.0, warmup=False)
+    peak = 0
+    restore = m._Node.restore
+
+    def spy(self: m._Node, variant: tuple[str, int], gpus: tuple[int, ...], mb: int) -> bool:
+        nonlocal peak
+        cold = restore(self, variant, gpus, mb)
+        peak = max(peak, *(sum(held.values()) for held in self.lru))
+        return cold
+
+    monkeypatch.setattr(m._Node, "restore", spy)
+    pooled = m.Pooled(cfg, "elastic", order)
+    out = pooled.run(m.workload(cfg))
+    assert out.served == out.calls
+    assert m.WEIGHTS_MB - 4096 < peak <= m.WEIGHTS_MB  # full at times, never past its share
+    report = pooled._report(pooled.nodes["g0"])
+    assert {d.memory_mb for d in report.inventory.gpus} == {m.WEIGHTS_MB}
+
+
 @pytest.mark.parametrize("policy", ["elastic", "maas"])
 def test_a_call_no_node_can_hold_makes_the_act_infinite(policy: str) -> None:
     """One GPU cannot hold a 60B teacher (it needs two): its calls are never served."""
@@ -134,7 +161,7 @@ def test_the_policy_sees_a_restoring_chunk_busy_until_its_restore_and_call_end()
     (start,) = [e for e in pooled.core.schedule(0.0) if isinstance(e, StartOnNode)]
     dop = len(start.gpus)
     (view,) = pooled.core.gpu._running_views(pooled.core.nodes[start.node_id])
-    restore = t.footprint_mb(dop) / 1024 / cfg.restore_gb_per_s / dop  # a slice per GPU's link
+    restore = t.footprint_mb(dop) * 2**20 / 1e9 / cfg.restore_gb_per_s / dop  # a slice a link
     assert view.expected_end == pytest.approx(restore + t.duration(dop, cfg.parallel))
 
 
@@ -148,7 +175,7 @@ def test_a_simulated_restore_is_the_cores_price_for_the_chunks_links(
     pooled = m.Pooled(cfg, "elastic")
     t = m.TEACHERS[6]
     assert pooled.restore_s(t, tuple(range(8))) == pytest.approx(
-        t.footprint_mb(8) / 1024 / (links * cfg.restore_gb_per_s)
+        t.footprint_mb(8) * 2**20 / 1e9 / (links * cfg.restore_gb_per_s)  # MiB at GB/s
     )
     facts = pooled.core.nodes["g0"].gpu
     assert facts is not None

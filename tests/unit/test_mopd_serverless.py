@@ -11,7 +11,7 @@ from services.scheduler.sim import mopd_workload as w
 
 CFG = w.Config(gpus=8, restore_gb_per_s=10.0)
 T = w.teachers(CFG)[0]
-LOAD_S = T.footprint_mb(1) / 1024 / CFG.restore_gb_per_s
+LOAD_S = T.footprint_mb(1) * 2**20 / 1e9 / CFG.restore_gb_per_s  # MiB at decimal GB/s
 
 
 def calls(*at: float) -> list[w.Call]:

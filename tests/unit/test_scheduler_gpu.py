@@ -246,7 +246,7 @@ def test_resident_node_and_chunk_preferred() -> None:
 
 def test_restore_cost_steers_the_dop_choice() -> None:
     """Hinted as nearly serial: the warm 1-GPU variant beats a cold 4-GPU one that must
-    restore 8 GiB at 2 GB/s (4 s) first."""
+    restore 8 GiB at 2 GB/s (4.29 s) first."""
     hint = DurationHint(t_ori_s=2.0, parallel_fraction=0.9)
     cold = core_with(gpu_report(services=prepared()))
     cold.enqueue(infer("a", hint=hint), 0.0)
@@ -258,7 +258,7 @@ def test_restore_cost_steers_the_dop_choice() -> None:
     assert len(c.gpus) >= 1  # cold: it pays the restore whatever it gets
     facts = warm.nodes["g0"].gpu
     assert facts is not None
-    assert gpu.restore_s(facts, "judge", 4) == pytest.approx(8192 / 1024 / 2.0)
+    assert gpu.restore_s(facts, "judge", 4) == pytest.approx(8192 * 2**20 / 1e9 / 2.0)
 
 
 def test_hrrs_orders_warm_calls_first_fcfs_does_not() -> None:

@@ -169,8 +169,10 @@ def resident_positions(facts: GpuFacts, service: str, dop: int) -> frozenset[int
 def restore_cost(
     mb: float, links: Sequence[int], gb_per_s: float, gather_gb_per_s: float = 0.0
 ) -> float:
-    """Seconds to restore ``mb`` MiB onto a chunk whose devices copy through ``links`` (one id
-    per device, in chunk order; equal ids share one host link, -1 counts as one shared link).
+    """Seconds to restore ``mb`` MiB (2**20 bytes) onto a chunk whose devices copy through
+    ``links`` (one id per device, in chunk order; equal ids share one host link, -1 counts as
+    one shared link), at ``gb_per_s`` and ``gather_gb_per_s`` in decimal GB (1e9 bytes) a
+    second, as the gpu_manager measures them (``bandwidth.py``) and reports them.
 
     The gpu_manager restores a chunk of ``k`` devices as ``k`` equal slices, slice ``i``
     through device ``i``'s link, all at once: the busiest link carries ``busiest`` slices, so
@@ -183,7 +185,7 @@ def restore_cost(
     each slice's gather when that slice is loaded). Finite and never negative, whatever it is
     given (a rate below ``MIN_GB_PER_S`` is taken as that; no bandwidth: the default)."""
     k = max(1, len(links))
-    gb = max(0.0, mb) / 1024.0 if math.isfinite(mb) else 0.0
+    gb = max(0.0, mb) * (2**20 / 1e9) if math.isfinite(mb) else 0.0  # MiB -> decimal GB
     rate = max(MIN_GB_PER_S, gb_per_s) if gb_per_s > 0 else DEFAULT_RESTORE_GB_PER_S
     busiest = max(Counter(links).values()) if links else 1
     load = gb * busiest / k / rate

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+from services.scheduler.core import gpu
 from services.scheduler.sim.mopd_workload import (
     Call,
     Config,
@@ -206,6 +207,11 @@ class _Serverless:
             self._at(max(now, inst.busy_until), partial(self._free, inst))
             r.idle_s = 0.0
 
+    def _load_s(self, t: Teacher, gpus: int) -> float:
+        """Loading ``t`` onto ``gpus`` GPUs: the whole model through one host link, priced by
+        the scheduler core's function (MiB against the measured decimal GB/s)."""
+        return gpu.restore_cost(t.footprint_mb(gpus), (0,), self.cfg.restore_gb_per_s)
+
     def _load(self, now: float) -> None:
         """Grant waiting instance starts a node with enough free GPUs, in order."""
         waiting, self.loading = self.loading, []
@@ -217,7 +223,7 @@ class _Serverless:
                 self.loading.append(r)
                 continue
             self.free[node] -= need
-            load_s = self.sc.startup_s + t.footprint_mb(need) / 1024 / self.cfg.restore_gb_per_s
+            load_s = self.sc.startup_s + self._load_s(t, need)
             self.out.add_restore(load_s)
             self._at(now + load_s, partial(self._ready, r, _Instance(t, node, need)))
 

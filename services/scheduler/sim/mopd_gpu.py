@@ -5,8 +5,9 @@ Policies (``run``), all on ``cfg.gpus`` GPUs but dedicated (which is its deploym
 - ``elastic`` -- Tangram: the scheduler core (elastic DoP over buddy chunks, Algorithm 4,
   residency-aware, restore cost in the duration, FCFS, depth 2: §4.2, §6.1) on pooled GPUs,
   after the step before the measured one (``Config.warmup``: what it left stays resident).
-  The simulated agents keep each GPU's memory with LRU eviction and report residency after
-  every change, as the gpu_manager does; a call whose variant is not resident on its chunk
+  The simulated agents keep each GPU's weights share (``WEIGHTS_MB``: the rest of its memory
+  is the running prefill's) with LRU eviction and report residency after every change, as the
+  gpu_manager does; a call whose variant is not resident on its chunk
   first restores it (footprint / the measured restore bandwidth) and evicts without
   write-back (EOE, §5.3). ``order="hrrs"`` orders the candidates by plexrl's HRRS instead.
 - ``dedicated`` -- SGLang: one server per teacher, tensor parallel over 4 GPUs (§6.1).
@@ -52,6 +53,7 @@ from services.scheduler.sim.mopd_workload import (
     STEP_GAP_S,
     TEACHERS,
     WARMUP_SEED_OFFSET,
+    WEIGHTS_MB,
     Call,
     Config,
     Outcomes,
@@ -79,6 +81,7 @@ from tangram.contract import (
 __all__ = [
     "GPU_MEMORY_MB",
     "TEACHERS",
+    "WEIGHTS_MB",
     "Call",
     "Config",
     "Outcomes",
@@ -99,7 +102,8 @@ __all__ = [
 
 @dataclass
 class _Node:
-    """A simulated gpu_manager: per GPU, an LRU of the (service, dop) variants it holds."""
+    """A simulated gpu_manager: per GPU, an LRU of the (service, dop) variants it holds, in
+    ``WEIGHTS_MB`` (the rest of the GPU's memory is the running call's)."""
 
     node_id: str
     lru: list[OrderedDict[tuple[str, int], int]]  # per GPU: variant -> MiB on that GPU
@@ -115,7 +119,7 @@ class _Node:
         per_gpu = mb // len(gpus)
         for g in gpus:
             self.lru[g].pop(variant, None)
-            while sum(self.lru[g].values()) + per_gpu > GPU_MEMORY_MB and self.lru[g]:
+            while sum(self.lru[g].values()) + per_gpu > WEIGHTS_MB and self.lru[g]:
                 self._evict(g, self.lru[g].popitem(last=False)[0])
             self.lru[g][variant] = per_gpu
         return True
@@ -171,7 +175,7 @@ class Pooled:
         inv = Inventory(
             kind="gpu",
             gpus=tuple(
-                GpuDevice(index=i, memory_mb=GPU_MEMORY_MB, link=self._link(i)) for i in range(per)
+                GpuDevice(index=i, memory_mb=WEIGHTS_MB, link=self._link(i)) for i in range(per)
             ),
             restore_gb_per_s=self.cfg.restore_gb_per_s,
             gather_gb_per_s=self.cfg.gather_gb_per_s,

@@ -3,7 +3,9 @@ the outcome books every system of the comparison fills.
 
 Paper (ARL-Tangram §6.1, §6.3, Table 1) -> here:
 - GPUs: five nodes of eight Hopper GPUs (§6.1) -> 40 GPUs of 80 GB (the paper names no model;
-  80 GB is the H100/H800 memory).
+  80 GB is the H100/H800 memory), of which ``WEIGHTS_SHARE`` holds weights (``WEIGHTS_MB``:
+  the DoP levels, the simulated agents' cache and the memory they report) and the rest a
+  running prefill's activations and KV.
 - Services: 10 reward services (§6.3, Figure 8(b) right; §6.1's MOPD+Search: nine teachers and
   the judge) -> 10 teachers.
 - Calls: MOPD "computes trajectory log-probabilities with respect to corresponding teacher
@@ -54,6 +56,7 @@ import numpy as np
 GPU_MEMORY_MB = 80 * 1024
 GPUS_PER_NODE = 8
 WEIGHTS_SHARE = 0.8  # of a GPU's memory; the rest holds the prefill's activations and KV
+WEIGHTS_MB = int(GPU_MEMORY_MB * WEIGHTS_SHARE)  # MiB of weights one GPU holds, copies cached
 BYTES_PER_PARAM = 2  # bf16
 DOP_LEVELS = (1, 2, 4, 8)
 
@@ -128,7 +131,7 @@ class Config:
 def teacher(name: str, params_b: float, cfg: Config) -> Teacher:
     """A teacher of ``params_b`` billion parameters under ``cfg``'s token count and GPU speed."""
     weights = params_b * 1e9 * BYTES_PER_PARAM / 2**30
-    per_gpu = GPU_MEMORY_MB * WEIGHTS_SHARE / 1024
+    per_gpu = WEIGHTS_MB / 1024
     dops = tuple(d for d in DOP_LEVELS if weights / d <= per_gpu)
     t1 = 2 * params_b * 1e9 * cfg.tokens / (cfg.gpu_tflops * 1e12)
     return Teacher(name, weights, dops, t1)
