@@ -21,8 +21,10 @@ when nobody else wants the free GPUs, up to ``1 + MAX_EXTRA_RESTORES`` on a cont
 there a service grows another copy only when waiting for its copies would cost several
 restores. In Figure 8(b) at batch 1024 this (with ``gpu.cached``'s choice of chunk) took
 restores from 0.14 to 0.044 per call, and elastic's mean ACT over five draws of the workload
-from 1.82 s to 0.63 s, with restores at 10.09 GB/s (``bench/results/fig8b.json`` holds the
-latest run, at the bandwidth ``gpu.json`` measured).
+from 1.82 s to 0.63 s, with restores at 10.09 GB/s, when it was introduced (before the
+simulated GPUs kept a fifth of their memory free of weights and restores were priced in
+decimal GB: ``bench/results/fig8b.json`` holds the latest run, at the bandwidth ``gpu.json``
+measured).
 
 Nothing is remembered between passes: a call waits only while, at each pass, its copy is
 still reported (or runs its service) and is predicted to free in time. A call that overruns
