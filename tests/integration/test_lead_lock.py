@@ -106,18 +106,8 @@ async def restart(pg: EmbeddedPostgres) -> float:
 async def test_a_postgres_restart_leaves_the_lead_with_a_live_leader(tmp_path: Path):
     pg = await asyncio.to_thread(EmbeddedPostgres(tmp_path / "pg", fsync=False).start)
     try:
-        pool = await db.connect(pg.dsn, max_size=1)
-        try:
-            await db.migrate(pool)
-            epoch = await store.take_lead(pool)
-        finally:
-            await pool.close()
-        leader = await Lead(pg.dsn, GRACE).__aenter__()
-        watch = asyncio.ensure_future(leader.watch(epoch))
-        standby = Lead(pg.dsn, GRACE)
-        waiting = asyncio.ensure_future(standby.acquire())
+        leader, watch, standby, waiting = await contended(pg)
         both = (leader.name, [standby.name])
-        await eventually(lambda: _are(pg.dsn, both), what="the standby waiting")
         for _ in range(2):  # twice: it holds every time, not by luck
             old = leader._conn
             up = await restart(pg)
@@ -131,6 +121,25 @@ async def test_a_postgres_restart_leaves_the_lead_with_a_live_leader(tmp_path: P
         await leader_gone_while_down(pg, leader, watch, standby, waiting)
     finally:
         await asyncio.to_thread(pg.stop)
+
+
+async def contended(
+    pg: EmbeddedPostgres,
+) -> tuple[Lead, asyncio.Future[None], Lead, asyncio.Future[None]]:
+    """On a migrated database: a leader with its watch running, and a standby waiting."""
+    pool = await db.connect(pg.dsn, max_size=1)
+    try:
+        await db.migrate(pool)
+        epoch = await store.take_lead(pool)
+    finally:
+        await pool.close()
+    leader = await Lead(pg.dsn, GRACE).__aenter__()
+    watch = asyncio.ensure_future(leader.watch(epoch))
+    standby = Lead(pg.dsn, GRACE)
+    waiting = asyncio.ensure_future(standby.acquire())
+    both = (leader.name, [standby.name])
+    await eventually(lambda: _are(pg.dsn, both), what="the standby waiting")
+    return leader, watch, standby, waiting
 
 
 async def _are(dsn: str, want: tuple[str, list[str]]) -> bool:
@@ -188,17 +197,7 @@ async def test_a_lead_let_go_while_postgres_is_down_never_takes_the_lock_back(tm
     the lock once Postgres is back: the watch ends, and the standby leads after its grace."""
     pg = await asyncio.to_thread(EmbeddedPostgres(tmp_path / "pg", fsync=False).start)
     try:
-        pool = await db.connect(pg.dsn, max_size=1)
-        try:
-            await db.migrate(pool)
-            epoch = await store.take_lead(pool)
-        finally:
-            await pool.close()
-        leader = await Lead(pg.dsn, GRACE).__aenter__()
-        watch = asyncio.ensure_future(leader.watch(epoch))
-        standby = Lead(pg.dsn, GRACE)
-        waiting = asyncio.ensure_future(standby.acquire())
-        await eventually(lambda: _are(pg.dsn, (leader.name, [standby.name])), what="a standby")
+        leader, watch, standby, waiting = await contended(pg)
         await asyncio.to_thread(pg.kill)
         await leader.close()  # the watch is left running on purpose
         await asyncio.to_thread(pg.start)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from services.scheduler.core.effects import Effect, Finish, KillOnNode, StartOnNode
 from services.scheduler.core.quota import QuotaCore
 from services.scheduler.core.quota_books import QuotaConfig
@@ -96,14 +98,19 @@ def answer(
     headers: dict[str, str] | None = None,
     tokens_used: int | None = None,
     failure: ErrorKind | None = None,
+    at: float | None = None,
 ) -> Completion:
+    """The agent's report of ``start`` (``at``: sent then, answered 20 ms later)."""
     resp = None if failure else HttpResponse(status=status, headers=headers or {}, body=b"ok")
+    outcome = Outcome(http=resp, tokens_used=tokens_used, failure=failure, detail="refused")
+    if at is not None:
+        outcome = msgspec.structs.replace(outcome, started_at=at, finished_at=at + 0.02)
     return Completion(
         node_id=start.node_id,
         incarnation=start.incarnation,
         action_id=start.action.spec.action_id,
         attempt=start.action.attempt,
-        outcome=Outcome(http=resp, tokens_used=tokens_used, failure=failure, detail="refused"),
+        outcome=outcome,
     )
 
 

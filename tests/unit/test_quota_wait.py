@@ -13,33 +13,14 @@ from services.scheduler.core.effects import StartOnNode
 from services.scheduler.core.quota import QuotaCore
 from tangram.contract import (
     ActionResult,
-    Completion,
     ErrorKind,
-    HttpResponse,
     LeaseEnd,
-    Outcome,
     QuotaSpec,
     Timings,
 )
 from tangram.contract.base import _Msg, codec, encode
 
-from .test_quota_core import agent, core, http, lease, results, starts
-
-
-def sent(s: StartOnNode, at: float, status: int = 200, **headers: str) -> Completion:
-    """The agent's report of ``s``: sent at ``at``, answered 20 ms later."""
-    outcome = Outcome(
-        http=HttpResponse(status=status, headers=headers),
-        started_at=at,
-        finished_at=at + 0.02,
-    )
-    return Completion(
-        node_id=s.node_id,
-        incarnation=s.incarnation,
-        action_id=s.action.spec.action_id,
-        attempt=s.action.attempt,
-        outcome=outcome,
-    )
+from .test_quota_core import agent, answer, core, http, lease, results, starts
 
 
 def timings(r: ActionResult) -> Timings:
@@ -50,7 +31,7 @@ def timings(r: ActionResult) -> Timings:
 
 def done(c: QuotaCore, s: StartOnNode, at: float) -> Timings:
     """Complete ``s`` (sent 2 ms after ``at``); its result's timings."""
-    (r,) = results(c.complete(sent(s, at + 0.002), at + 0.03))
+    (r,) = results(c.complete(answer(s, at=at + 0.002), at + 0.03))
     assert r.ok, r
     return timings(r)
 
@@ -111,7 +92,9 @@ def test_a_retried_call_adds_up_its_waits() -> None:
     (x,) = starts(c.schedule(0.0))
     done(c, x, 0.27)  # released at 0.3
     (a1,) = starts(c.schedule(0.31))
-    assert c.complete(sent(a1, 0.32, 429, **{"Retry-After": "1"}), 0.4) == []  # queued again
+    assert (
+        c.complete(answer(a1, 429, headers={"Retry-After": "1"}, at=0.32), 0.4) == []
+    )  # queued again
     assert starts(c.schedule(0.4)) == []
     assert c.next_at(0.4) == pytest.approx(1.4)  # the pause
     (a2,) = starts(c.schedule(1.45))
