@@ -16,7 +16,9 @@ Through the mesh (a real one: NATS, Postgres, gateway, scheduler, gpu_manager on
 - per-call system overhead, calls sequential and the service resident: the completion the
   client measures (submit -> result) minus the call's execution as the agent times it (in its
   worker thread, around the batch's forward pass: the hops to and from the worker count as
-  overhead), p50/p99;
+  overhead), p50/p99; the same again on a mesh whose Postgres does not fsync
+  (``sequential_resident_fsync_off``) and the difference (``fsync_cost_ms_p50``): the WAL
+  flush of the call's intake, which no call skips (it may start only once it is durable);
 - calls/s with 64 concurrent callers, ``max_batch=1`` (batching off) vs ``max_batch=32``, and
   the calls per forward pass the agent reports (``ServiceState.calls / batches``).
 
@@ -242,8 +244,8 @@ def _ms(s: float) -> float:
     return round(1000 * s, 3)
 
 
-async def through_the_mesh() -> dict[str, Any]:
-    env = {
+def _env() -> dict[str, str]:
+    return {
         "TANGRAM_GPU_BACKEND": "cpu",
         "TANGRAM_GPU_CPU_DEVICES": "1",
         "TANGRAM_GPU_CPU_BUDGET_MB": "64",
@@ -251,19 +253,45 @@ async def through_the_mesh() -> dict[str, Any]:
         "TANGRAM_GPU_HEARTBEAT_S": "0.5",
         "TANGRAM_GATEWAY_MAX_IN_FLIGHT": "100000",
     }
+
+
+def _options(tmp: str, fsync: bool = True) -> MeshOptions:
+    return MeshOptions(
+        state_dir=Path(tmp),
+        backend="process",
+        env=_env(),
+        quota_manager=False,
+        quiet=True,
+        fsync=fsync,
+    )
+
+
+async def without_fsync() -> dict[str, Any]:
+    """The sequential figure again on a mesh whose Postgres does not fsync: what of the
+    overhead is the intake's WAL flush (an action is acknowledged, and may start, only once
+    its intake is durable, so every call waits for one)."""
     with tempfile.TemporaryDirectory(prefix="tangram-bench-gpu-") as tmp:
-        opts = MeshOptions(
-            state_dir=Path(tmp), backend="process", env=env, quota_manager=False, quiet=True
-        )
-        async with Mesh(opts) as mesh, Client.connect(mesh.nats_url) as client:
+        async with Mesh(_options(tmp, fsync=False)) as mesh:
+            async with Client.connect(mesh.nats_url) as client:
+                return await mesh_overhead(client)
+
+
+async def through_the_mesh() -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="tangram-bench-gpu-") as tmp:
+        async with Mesh(_options(tmp)) as mesh, Client.connect(mesh.nats_url) as client:
             overhead = await mesh_overhead(client)
             off = await mesh_calls_per_s(client, 1)
             on = await mesh_calls_per_s(client, 32)
+    unsynced = await without_fsync()
     return {
         "what": "a tiny model (examples.tiny_service) as a registered service, through client "
         "-> gateway -> scheduler -> gpu_manager (1 CPU device, 1 torch thread) -> client; "
         "Postgres fsync on",
         "sequential_resident": overhead,
+        "sequential_resident_fsync_off": unsynced,
+        "fsync_cost_ms_p50": round(
+            overhead["overhead_ms"]["p50"] - unsynced["overhead_ms"]["p50"], 3
+        ),
         "concurrent": {
             "callers": MESH_CALLERS,
             "max_batch_1": off,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from services.scheduler.core.books import EnvPlacement
@@ -9,7 +11,16 @@ from services.scheduler.core.effects import Effect, StartOnNode
 from services.scheduler.core.pipeline import Holder, fixed_cores, plan
 from services.scheduler.core.scheduler import CoreConfig, SchedulerCore
 from services.scheduler.policies.elastic import ElasticPolicy
-from tangram.contract import ActionSpec, Demand, ExecAction, RunningAction, UnifiedAction
+from tangram.contract import (
+    ActionSpec,
+    Completion,
+    Demand,
+    ErrorKind,
+    ExecAction,
+    Outcome,
+    RunningAction,
+    UnifiedAction,
+)
 
 from . import core_kit as kit
 
@@ -155,3 +166,77 @@ def test_a_restarted_scheduler_rebuilds_who_is_next_on_each_core_from_the_report
     core.enqueue(kit.action("x", "t"), 1.0)
     (x,) = starts(core.schedule(1.1))
     assert (x.cores, x.after) == ((0,), ("w",))  # behind w, never beside it
+
+
+# ----------------------------------------------------------------- depth from run times
+
+
+def ran_for(run: StartOnNode, seconds: float, failure: ErrorKind | None = None) -> Completion:
+    """The node's report that ``run`` ran for ``seconds`` (or ended with ``failure``)."""
+    outcome = Outcome(exit_code=0, started_at=10.0, finished_at=10.0 + seconds)
+    if failure is not None:
+        outcome = Outcome(failure=failure, started_at=10.0, finished_at=10.0 + seconds)
+    return msgspec.structs.replace(kit.done(run), outcome=outcome)
+
+
+def short_pipelining_core() -> SchedulerCore:
+    cfg = CoreConfig(pipeline=True, pipeline_depth=1, pipeline_depth_short=3, pipeline_short_s=0.01)
+    core = SchedulerCore(ElasticPolicy(), cfg)
+    core.node_report(kit.report(cores=1), 0.0)
+    return core
+
+
+def waiting_on_core_0(core: SchedulerCore) -> list[str]:
+    return core.nodes["n0"].next.get(0, [])
+
+
+def test_a_node_whose_actions_run_short_is_pipelined_deeper():
+    core = short_pipelining_core()
+    core.enqueue(kit.action("a0", "t"), 0.0)
+    (a0,) = starts(core.schedule(0.0))
+    assert core.nodes["n0"].run_s == math.inf  # nothing ended yet: the plain depth
+    core.complete(ran_for(a0, 0.002), 0.1)
+    for i in range(1, 8):
+        core.enqueue(kit.action(f"a{i}", "t"), 0.1)
+    runs = starts(core.schedule(0.2))
+    assert [s.action.spec.action_id for s in runs] == ["a1", "a2", "a3", "a4"]
+    assert waiting_on_core_0(core) == ["a2", "a3", "a4"]  # three wait, not one
+
+
+def test_one_long_action_brings_the_node_back_to_the_plain_depth():
+    core = short_pipelining_core()
+    for i in range(2):
+        core.enqueue(kit.action(f"s{i}", "t"), 0.0)
+    s0, s1 = starts(core.schedule(0.0))
+    core.complete(ran_for(s0, 0.002), 0.1)  # short: s1 holds the core now
+    core.complete(ran_for(s1, 5.0), 0.2)  # long: the mean is far over 10 ms
+    assert core.nodes["n0"].run_s > 0.01
+    for i in range(4):
+        core.enqueue(kit.action(f"a{i}", "t"), 0.2)
+    runs = starts(core.schedule(0.3))
+    assert [s.action.spec.action_id for s in runs] == ["a0", "a1"]  # one waits, as before
+    for run in runs:  # a dozen short runs bring the mean down again
+        core.complete(ran_for(run, 0.001), 0.4)
+    assert core.nodes["n0"].run_s > 0.01
+    shorts = 0
+    while core.nodes["n0"].run_s > 0.01:
+        core.enqueue(kit.action(f"b{shorts}", "t"), 0.5)
+        for run in starts(core.schedule(0.5)):
+            core.complete(ran_for(run, 0.001), 0.5)
+            shorts += 1
+    assert 10 <= shorts <= 30
+    for i in range(4):
+        core.enqueue(kit.action(f"c{i}", "t"), 0.6)
+    starts(core.schedule(0.7))
+    assert len(waiting_on_core_0(core)) == 3  # deep again
+
+
+def test_a_failure_or_a_kill_is_no_run_time():
+    core = short_pipelining_core()
+    for i in range(3):
+        core.enqueue(kit.action(f"a{i}", "t"), 0.0)
+    a0, a1 = starts(core.schedule(0.0))
+    core.complete(ran_for(a0, 0.0, failure=ErrorKind.INTERNAL), 0.1)
+    core.cancel("a1", 0.1)
+    core.complete(ran_for(a1, 0.0, failure=ErrorKind.CANCELLED), 0.2)
+    assert core.nodes["n0"].run_s == math.inf

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,9 @@ class Node:
     on_disk: set[str] = field(default_factory=set)  # its envs saved to disk (env_tiers)
     idle_envs_hold_memory: bool = True  # False: only envs with an action running are booked
     envs_seen: frozenset[str] = frozenset()  # the environments its last full report held
+    # the running mean of its actions' run times (exec_s; inf: none ended yet), which sets
+    # how deep it is pipelined (CoreConfig.pipeline_depth_short)
+    run_s: float = math.inf
 
     @property
     def capacity(self) -> int:
