@@ -95,7 +95,9 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # trip that refills it, so two waiting grants left its cores idle (bench.throughput:
     # ~770 -> ~830 no-op actions/s at depth 6 on this 2-core machine). One long action lifts
     # the mean over the bound at once, and the node keeps to ``pipeline_depth`` again until
-    # a dozen short ones bring it down: what it may delay is then bounded as before.
+    # a dozen short ones bring it down: what it may delay is then bounded as before. The
+    # price grows with the depth: a node killed outright ends every grant waiting on it
+    # ``node_died`` (see pipeline), up to ``pipeline_depth_short`` per core of short actions.
     pipeline_depth_short: Annotated[int, msgspec.Meta(ge=1)] = 6
     pipeline_short_s: Annotated[float, msgspec.Meta(ge=0)] = 0.01
 
