@@ -5,9 +5,18 @@ One working directory per trajectory (its HOME and cwd) keeps state across that 
 actions. Run as root, each trajectory's actions run as an unprivileged uid of its own that
 alone owns its directory (``users``). Each action runs in its own session so a timeout kills
 the whole process group.
-Pinning without a fork-unsafe ``preexec_fn``: a dedicated launcher thread sets its own CPU
-affinity to the granted cores and spawns from there, so the child inherits exactly that mask
-from its first instruction. The exit is watched through a pidfd on the event loop.
+Pinning without a fork-unsafe ``preexec_fn``: the spawning thread sets its own CPU affinity to
+the granted cores and spawns, so the child inherits exactly that mask from its first
+instruction. A trajectory's first action (its directory is made, its uid rid of what an
+earlier holder left) is spawned on a dedicated launcher thread, and so is every action while
+that thread has work, in order; any other is spawned on the event loop itself, which pins
+itself for the spawn and takes its own mask back at once. Handing every spawn to the thread
+cost a wake-up of the thread and one of the loop per action: under load the launch took 1.3-1.6
+ms (bench.throughput at 2,000/s offered: 776-832 actions/s, 0.51-0.54 ms of agent CPU per
+action; spawned on the loop, 860-877/s and 0.43). The price: a spawn that hangs in the kernel
+(its program on a hung mount) holds the loop, so the agent falls silent and is failed as a
+silent node, where a wedged launcher thread fails only its canary. The exit is watched through
+a pidfd on the event loop.
 """
 
 from __future__ import annotations
@@ -150,6 +159,7 @@ class ProcessBackend:
         self.cfg = cfg
         self._launcher = Launcher()
         self._runs: dict[str, _Run] = {}
+        self._mask: set[int] | None = None  # the event loop thread's own CPU affinity
         # Actions waiting for the launcher thread, and those of them killed meanwhile: a
         # spawn queued behind a wedged launcher (its node fenced, its actions ended
         # node_died) must not run once the launcher frees up.
@@ -247,9 +257,12 @@ class ProcessBackend:
         self._spawning[req.action_id] = req.trajectory_id
         try:
             with self.starts.begin():
-                proc, out_fd, err_fd = await loop.run_in_executor(
-                    self._launcher, self._spawn, req, workdir, uid, fresh
-                )
+                if fresh or self._launcher.busy:  # in order behind what the thread has
+                    proc, out_fd, err_fd = await loop.run_in_executor(
+                        self._launcher, self._spawn, req, workdir, uid, fresh
+                    )
+                else:
+                    proc, out_fd, err_fd = self._spawn_here(req, workdir, uid)
         except OSError as exc:
             return _spawn_failure(exc, req.argv, workdir, started)
         except _Doomed as exc:
@@ -270,11 +283,13 @@ class ProcessBackend:
                 self._envs[req.trajectory_id] = time.monotonic()
 
     async def canary(self) -> None:
-        """``true`` spawned on the launcher thread every action is spawned on, its exit
-        watched as theirs is: a wedged launcher (or fork, or exit watch) never answers.
+        """``true`` spawned on the launcher thread, its exit watched as an action's is: a
+        wedged launcher (or fork, or exit watch) never answers, and while the launcher has
+        work every action waits for it (a spawn on the event loop that hangs silences the
+        whole agent instead, see the module's docstring).
 
         It takes no core of its own and needs no free one: it runs, for a millisecond, on the
-        cores of the last action spawned (the launcher thread's mask), beside what runs. A
+        cores of the last action the launcher spawned (its thread's mask), beside what runs. A
         node whose cores are all held by long actions that progress is never suspect (its
         counters move within the bound), so a canary that waited for a free core would only
         wrongly fail a busy node; as the agent's own user, in the env root (no trajectory's)."""
@@ -301,7 +316,8 @@ class ProcessBackend:
     def _spawn(
         self, req: ExecRequest, workdir: Path, uid: int | None, fresh: bool = False
     ) -> tuple[subprocess.Popen[bytes], int, int]:
-        """Runs on the launcher thread: pin this thread, then spawn (the child inherits it).
+        """Pin this thread, then spawn (the child inherits it): on the launcher thread, or on
+        the event loop's for an action of a known trajectory (see :meth:`_spawn_here`).
 
         The pipes are plain fds owned by the caller, so exactly one party ever closes them.
         ``uid`` (None: this agent's own) is taken on by the launcher (``tangram-dropuid``, else
@@ -352,6 +368,17 @@ class ProcessBackend:
             _killpg(proc.pid)
         return proc, out_r, err_r
 
+    def _spawn_here(
+        self, req: ExecRequest, workdir: Path, uid: int | None
+    ) -> tuple[subprocess.Popen[bytes], int, int]:
+        """:meth:`_spawn` on the event loop's thread, which takes its own mask back after."""
+        if self._mask is None:
+            self._mask = os.sched_getaffinity(0)
+        try:
+            return self._spawn(req, workdir, uid)
+        finally:
+            os.sched_setaffinity(0, self._mask)
+
     def _environ(self, req: ExecRequest, workdir: Path) -> dict[str, str]:
         """A minimal base, the action's own variables, then Tangram's (see ``action_env``) and
         the tags that recognise leftovers of this node."""
@@ -400,7 +427,8 @@ class ProcessBackend:
 
 
 class Launcher(Executor):
-    """The launcher thread: what is submitted runs on one daemon thread, in order.
+    """The launcher thread: what is submitted runs on one daemon thread, in order; ``busy``
+    while anything submitted has not been taken off its queue and run (or skipped).
 
     Not a ``ThreadPoolExecutor``: a launcher wedged in a spawn (a program or a directory on a
     hung mount, exactly what the health detector's canary finds) must not keep the fenced
@@ -413,6 +441,13 @@ class Launcher(Executor):
         self._jobs = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
+        # one writer each (the submitting thread, the launcher thread): no lock needed
+        self._submitted = 0
+        self._done = 0
+
+    @property
+    def busy(self) -> bool:
+        return self._submitted != self._done
 
     def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         if self._closed:
@@ -421,6 +456,7 @@ class Launcher(Executor):
             self._thread = threading.Thread(target=self._serve, name="launcher", daemon=True)
             self._thread.start()
         fut: Future[T] = Future()
+        self._submitted += 1
         self._jobs.put((fut, partial(fn, *args, **kwargs)))
         return fut
 
@@ -440,12 +476,13 @@ class Launcher(Executor):
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             fut, fn = job
-            if not fut.set_running_or_notify_cancel():
-                continue
             try:
-                fut.set_result(fn())
+                if fut.set_running_or_notify_cancel():
+                    fut.set_result(fn())
             except BaseException as exc:  # the caller's to see, as a pool thread hands it on
                 fut.set_exception(exc)
+            finally:
+                self._done += 1
 
 
 class _Doomed(Exception):
