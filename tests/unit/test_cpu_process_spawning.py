@@ -100,3 +100,26 @@ async def test_a_failed_spawn_on_the_loop_still_gives_the_loop_its_mask_back(
     lost = await backend.run(allowed("c"))
     assert lost.failure == ErrorKind.ENVIRONMENT_LOST
     assert os.sched_getaffinity(0) == mask
+
+
+async def test_a_mask_the_loop_cannot_take_back_loses_no_action(
+    backend: ProcessBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The machine's CPUs changed under the agent (none of its old mask allowed): the action
+    still runs and is supervised; the loop stays on the action's cores, and says so."""
+    mask = os.sched_getaffinity(0)
+    assert (await backend.run(allowed("a"))).exit_code == 0
+    pin = os.sched_setaffinity
+
+    def refusing(pid: int, cpus: Any) -> None:
+        if set(cpus) == mask and len(mask) > 1:
+            raise OSError(22, "Invalid argument")
+        pin(pid, cpus)
+
+    monkeypatch.setattr(os, "sched_setaffinity", refusing)
+    try:
+        out = await backend.run(allowed("b"))
+        assert out.exit_code == 0
+        assert out.stdout.decode().split() == ["Cpus_allowed_list:", str(CORE)]
+    finally:
+        pin(0, mask)

@@ -12,8 +12,8 @@ earlier holder left) is spawned on a dedicated launcher thread, and so is every 
 that thread has work, in order; any other is spawned on the event loop itself, which pins
 itself for the spawn and takes its own mask back at once. Handing every spawn to the thread
 cost a wake-up of the thread and one of the loop per action: under load the launch took 1.3-1.6
-ms (bench.throughput at 2,000/s offered: 776-832 actions/s, 0.51-0.54 ms of agent CPU per
-action; spawned on the loop, 860-877/s and 0.43). The price: a spawn that hangs in the kernel
+ms (bench.throughput at 2,000/s offered, interleaved: 826-845 actions/s and 0.50 ms of agent CPU
+per action; spawned on the loop, 881-883/s and 0.43). The price: a spawn that hangs in the kernel
 (its program on a hung mount) holds the loop, so the agent falls silent and is failed as a
 silent node, where a wedged launcher thread fails only its canary. The exit is watched through
 a pidfd on the event loop.
@@ -377,7 +377,10 @@ class ProcessBackend:
         try:
             return self._spawn(req, workdir, uid)
         finally:
-            os.sched_setaffinity(0, self._mask)
+            try:
+                os.sched_setaffinity(0, self._mask)
+            except OSError as exc:  # none of its CPUs is allowed now: pinned, never lost
+                log.warning("the event loop keeps the cores of %s: %s", req.action_id, exc)
 
     def _environ(self, req: ExecRequest, workdir: Path) -> dict[str, str]:
         """A minimal base, the action's own variables, then Tangram's (see ``action_env``) and
