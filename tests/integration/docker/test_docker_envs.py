@@ -77,7 +77,10 @@ async def test_warm_pool_serves_first_action_and_refills(backend_factory) -> Non
     assert int(out.split()[0]) == 128 * 2**20  # the pool container got the trajectory's memory
     assert backend.env("warm-0").container_id in pooled
     assert backend.stats["pool_hits"] == 1
-    assert backend.pool.size() == 1
+    # taken out of the pool (its size may be back to 2 already: the refill starts at the take
+    # and a creation can finish while the action runs; CI once saw 2 here)
+    ready = {env.container_id for env in backend.pool._ready[backend.cfg.image]}
+    assert backend.env("warm-0").container_id not in ready
     await backend.pool.wait_full(timeout_s=30)
     assert backend.pool.size() == 2
     assert backend.stats["created"] == 3
