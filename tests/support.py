@@ -16,6 +16,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from services.cpu_manager.process.backend import ProcessBackend, ProcessConfig
 from tangram import auth, db, subjects
 from tangram.bus import Bus, _Nats
 from tangram.client import Client
@@ -123,6 +124,20 @@ async def running_mesh(
         yield mesh
     finally:
         await mesh.stop()
+
+
+@contextlib.asynccontextmanager
+async def process_backend(root: Path, node_id: str) -> AsyncIterator[ProcessBackend]:
+    """A started process backend with its environments under ``root`` (actions as this test's
+    own user), closed on exit."""
+    backend = ProcessBackend(
+        ProcessConfig(root=root / "envs", node_id=node_id, trajectory_uids=False)
+    )
+    await backend.start()
+    try:
+        yield backend
+    finally:
+        await backend.close()
 
 
 @contextlib.asynccontextmanager

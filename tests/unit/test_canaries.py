@@ -33,16 +33,13 @@ from services.quota_manager.http import Upstream
 from services.quota_manager.service import HttpExecutor
 from tangram.contract import ErrorKind
 
-from ..support import eventually
+from ..support import eventually, process_backend
 
 
 @pytest.fixture
 async def backend(tmp_path: Path) -> AsyncIterator[ProcessBackend]:
-    cfg = ProcessConfig(root=tmp_path / "envs", node_id="n-canary", trajectory_uids=False)
-    b = ProcessBackend(cfg)
-    await b.start()
-    yield b
-    await b.close()
+    async with process_backend(tmp_path, "n-canary") as b:
+        yield b
 
 
 def request(aid: str, marker: Path) -> ExecRequest:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import msgspec
+import pytest
 
 from services.scheduler.core.books import EnvPlacement
 from services.scheduler.core.effects import Effect, StartOnNode
@@ -21,6 +22,7 @@ from tangram.contract import (
     RunningAction,
     UnifiedAction,
 )
+from tangram.errors import InvalidRequest
 
 from . import core_kit as kit
 
@@ -240,3 +242,18 @@ def test_a_failure_or_a_kill_is_no_run_time():
     core.cancel("a1", 0.1)
     core.complete(ran_for(a1, 0.0, failure=ErrorKind.CANCELLED), 0.2)
     assert core.nodes["n0"].run_s == math.inf
+
+
+def test_a_bad_pipelining_setting_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch):
+    from services.scheduler import config
+
+    monkeypatch.setenv("TANGRAM_SCHEDULER_PIPELINE_SHORT_S", "-1")
+    with pytest.raises(InvalidRequest, match="pipeline_short_s"):
+        config.load()
+    monkeypatch.setenv("TANGRAM_SCHEDULER_PIPELINE_SHORT_S", "0.02")
+    monkeypatch.setenv("TANGRAM_SCHEDULER_PIPELINE_DEPTH_SHORT", "0")
+    with pytest.raises(InvalidRequest, match="pipeline_depth_short"):
+        config.load()
+    monkeypatch.setenv("TANGRAM_SCHEDULER_PIPELINE_DEPTH_SHORT", "4")
+    core = config.load()[1].core
+    assert (core.pipeline_depth_short, core.pipeline_short_s) == (4, 0.02)

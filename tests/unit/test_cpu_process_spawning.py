@@ -16,21 +16,18 @@ from typing import Any
 import pytest
 
 from services.cpu_manager.backend_api import ExecRequest
-from services.cpu_manager.process.backend import ProcessBackend, ProcessConfig
+from services.cpu_manager.process.backend import ProcessBackend
 from tangram.contract import ErrorKind
 
-from ..support import eventually
+from ..support import eventually, process_backend
 
 CORE = max(os.sched_getaffinity(0))  # one core of the machine's (the last: not every core)
 
 
 @pytest.fixture
 async def backend(tmp_path: Path) -> AsyncIterator[ProcessBackend]:
-    cfg = ProcessConfig(root=tmp_path / "envs", node_id="n-spawn", trajectory_uids=False)
-    b = ProcessBackend(cfg)
-    await b.start()
-    yield b
-    await b.close()
+    async with process_backend(tmp_path, "n-spawn") as b:
+        yield b
 
 
 @pytest.fixture

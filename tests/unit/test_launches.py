@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from services.cpu_manager.backend_api import ExecRequest
-from services.cpu_manager.process.backend import ProcessBackend, ProcessConfig
+from services.cpu_manager.process.backend import ProcessBackend
 from services.gpu_manager.config import GpuManagerConfig
 from services.gpu_manager.executor import GpuExecutor
 from services.quota_manager.service import HttpExecutor
@@ -24,7 +24,7 @@ from tangram.contract import Dispatch, NodeReport, Outcome, ServiceSpec
 from tangram.membus import MemoryBroker
 
 from .. import gpu_models
-from ..support import eventually
+from ..support import eventually, process_backend
 from .test_agent_core import dispatch
 from .test_agent_shell import FakeExecutor, FakeScheduler
 from .test_gpu_agent import M, started
@@ -94,11 +94,8 @@ async def test_every_report_carries_the_executors_launches() -> None:
 
 @pytest.fixture
 async def backend(tmp_path: Path) -> AsyncIterator[ProcessBackend]:
-    cfg = ProcessConfig(root=tmp_path / "envs", node_id="n-launch", trajectory_uids=False)
-    b = ProcessBackend(cfg)
-    await b.start()
-    yield b
-    await b.close()
+    async with process_backend(tmp_path, "n-launch") as b:
+        yield b
 
 
 def request(aid: str) -> ExecRequest:
