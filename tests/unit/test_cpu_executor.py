@@ -57,7 +57,8 @@ def alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie counts as gone: it can touch nothing)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
+        # ProcessLookupError: the file opened, and the process was reaped before the read.
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
