@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import msgspec
 import pytest
 
 from tangram import subjects
@@ -180,6 +181,32 @@ async def test_a_refused_completion_does_not_hold_back_the_others_of_its_batch(
     for aid in ("bad", "a"):
         executor.release[aid].set()
     await eventually(lambda: set(agent.core.unacked) == {"bad"}, what="a acked alone")
+
+
+async def test_a_waiting_action_starts_on_the_turn_its_cores_were_freed(
+    mesh: tuple[Agent, FakeExecutor, FakeScheduler, Any],
+):
+    """The dispatch pipelined behind an action starts within the turn of the event loop in
+    which that action ended: a task of its own would start one turn later, each turn at load
+    0.1-0.3 ms of its core standing idle."""
+    agent, executor, scheduler, sbus = mesh
+    scheduler.acking.set()
+    await agent.start()
+    await eventually(lambda: scheduler.of(NodeReport), what="registration")
+    behind = msgspec.structs.replace(dispatch("b", cores=(0,)), after=("a",))
+    await sbus.publish(subjects.node("n0"), Commands(items=(dispatch("a"), behind), epoch=1))
+    await eventually(lambda: "a" in executor.release and "b" in agent.core.waiting, what="b held")
+    assert "b" not in executor.release
+    started_by_the_next_turn: list[bool] = []
+    executor.release["a"].set()  # a's end is due on the next turn, then this
+    asyncio.get_running_loop().call_soon(
+        lambda: started_by_the_next_turn.append("b" in executor.release)
+    )
+    await eventually(lambda: started_by_the_next_turn, what="the next turn")
+    assert started_by_the_next_turn == [True]
+    executor.release["b"].set()
+    await eventually(lambda: not agent.core.unacked and not agent.core.active, what="the acks")
+    assert sorted(c.action_id for c in scheduler.of(Completion)) == ["a", "b"]
 
 
 class CanaryExecutor(FakeExecutor):

@@ -1,17 +1,27 @@
-"""The process backend's output past its cap (``CappedSink``): an action flooding its stdout
-costs the agent's event loop little, and a chatty one still finishes with its output capped."""
+"""The process backend's output (``CappedSink``): past its cap, an action flooding its stdout
+costs the agent's event loop little, and a chatty one still finishes with its output capped;
+what is left in the pipes at the exit is read whole; a background child holding them is killed;
+a timeout kills the action's group and keeps what it wrote."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import resource
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from services.cpu_manager.backend_api import ExecRequest
-from services.cpu_manager.process.backend import ProcessBackend, ProcessConfig
+from services.cpu_manager.process.backend import (
+    DRAIN_AFTER_EXIT_S,
+    CappedSink,
+    ProcessBackend,
+    ProcessConfig,
+)
+from tangram.contract import ErrorKind
 
 CORES = tuple(sorted(os.sched_getaffinity(0)))[:1]
 
@@ -45,3 +55,53 @@ async def test_a_chatty_action_still_finishes_capped(backend: ProcessBackend) ->
     out = await backend.run(ExecRequest("chatty", "t", argv, CORES, 30.0, 4096))
     assert (out.exit_code, out.stderr, len(out.stdout)) == (0, b"done\n", 4096)
     assert out.stdout_truncated
+
+
+async def test_what_is_left_in_the_pipes_at_the_exit_is_read_whole(
+    backend: ProcessBackend,
+) -> None:
+    # far more than one read (64 KiB) still in the pipe when the exit is seen
+    argv = ("sh", "-c", "head -c 300000 /dev/zero; echo err >&2")
+    out = await backend.run(ExecRequest("left", "t", argv, CORES, 30.0, 1 << 20))
+    assert (out.exit_code, len(out.stdout), out.stderr) == (0, 300000, b"err\n")
+    assert not out.stdout_truncated
+
+
+async def test_a_background_child_holding_the_pipes_is_killed(backend: ProcessBackend) -> None:
+    argv = ("sh", "-c", "echo before; sleep 30 & exit 3")
+    t0 = time.monotonic()
+    out = await backend.run(ExecRequest("bg", "t", argv, CORES, 30.0, 4096))
+    assert (out.exit_code, out.stdout, out.failure) == (3, b"before\n", None)
+    assert time.monotonic() - t0 < 10 * DRAIN_AFTER_EXIT_S
+
+
+async def test_a_timeout_kills_the_group_and_keeps_its_output(backend: ProcessBackend) -> None:
+    argv = ("sh", "-c", "echo started; sleep 30; echo never")
+    out = await backend.run(ExecRequest("slow", "t", argv, CORES, 0.3, 4096))
+    assert (out.failure, out.stdout) == (ErrorKind.EXEC_TIMEOUT, b"started\n")
+    assert "0.3s timeout" in out.detail
+
+
+async def test_a_pipe_at_its_end_is_read_at_once() -> None:
+    """``read_now`` takes what the pipe holds, and its end, without a turn of the event loop;
+    past the cap it keeps the pause (the rest is read later)."""
+    r, w = os.pipe()
+    os.write(w, b"all of it")
+    os.close(w)
+    sink = CappedSink(r, 64)
+    assert sink.read_now()
+    assert (sink.value(), sink.truncated) == (b"all of it", False)
+    r, w = os.pipe()
+    sink = CappedSink(r, 64)
+    os.write(w, b"some")
+    assert not sink.read_now()  # the writer still open
+    assert sink.value() == b"some"
+    os.close(w)
+    await asyncio.wait_for(sink.eof, 5.0)
+    r, w = os.pipe()
+    os.write(w, b"all of it")
+    os.close(w)
+    sink = CappedSink(r, 4)
+    assert not sink.read_now()  # past the cap: paused
+    assert (sink.value(), sink.truncated) == (b"all ", True)
+    await asyncio.wait_for(sink.eof, 5.0)

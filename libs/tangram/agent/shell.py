@@ -318,10 +318,17 @@ class Agent(Service):
             await self._preparer.prepare(specs)
             await self._heartbeat()
 
-    async def _run(self, d: Dispatch) -> None:
-        aid = d.action.spec.action_id
-        outcome = self.core.not_started(aid, self.clock()) or await self._execute(d)
-        await self._apply(self.core.finished(aid, outcome, self.clock(), self.mono()))
+    async def _run(self, dispatch: Dispatch) -> None:
+        """Run ``dispatch``, then, in the same task, the first action its end starts (the freed
+        units' next): started on the turn of the loop that saw the end, not on the next one as
+        a new task's first step would be."""
+        d: Dispatch | None = dispatch
+        while d is not None:
+            aid = d.action.spec.action_id
+            outcome = self.core.not_started(aid, self.clock()) or await self._execute(d)
+            effects = self.core.finished(aid, outcome, self.clock(), self.mono())
+            d = next((e.dispatch for e in effects if isinstance(e, Run)), None)
+            await self._apply([e for e in effects if not (isinstance(e, Run) and e.dispatch is d)])
 
     async def _execute(self, d: Dispatch) -> Outcome:
         """The executor's outcome; an executor that raises is an internal failure."""

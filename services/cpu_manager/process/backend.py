@@ -89,16 +89,17 @@ class CappedSink:
         os.set_blocking(fd, False)
         asyncio.get_running_loop().add_reader(fd, self._readable)
 
-    def _readable(self) -> None:
+    def _readable(self) -> bool:
+        """One read; whether the pipe may hold more now (False: empty, at its end or paused)."""
         try:
             data = os.read(self.fd, SPILL_READ if self.truncated else 65536)
         except BlockingIOError:
-            return
+            return False
         except OSError:
             data = b""
         if not data:
             self.close()
-            return
+            return False
         room = self.cap - self.size
         if room > 0:
             self.chunks.append(data[:room])
@@ -111,6 +112,15 @@ class CappedSink:
             loop = asyncio.get_running_loop()
             loop.remove_reader(self.fd)
             self._resume = loop.call_later(SPILL_PAUSE_S, self._read_again)
+            return False
+        return True
+
+    def read_now(self) -> bool:
+        """Read what the pipe holds now (up to the cap: past it, the pause holds); whether it
+        is at its end (then closed)."""
+        while self._resume is None and self._readable():
+            pass
+        return self.eof.done()
 
     def _read_again(self) -> None:
         self._resume = None
@@ -394,12 +404,13 @@ class ProcessBackend:
         out = CappedSink(run.out_fd, req.output_cap_bytes)
         err = CappedSink(run.err_fd, req.output_cap_bytes)
         self._watch_exit(run.proc, run.exited)
+        # A timer, not wait_for(shield(...)): each of those layers costs a turn of the loop
+        # between the exit and the next spawn on the freed core (see _drain).
+        timer = asyncio.get_running_loop().call_later(req.timeout_s, _time_out, run)
         try:
-            code = await asyncio.wait_for(asyncio.shield(run.exited), req.timeout_s)
-        except TimeoutError:
-            run.killed = run.killed or ErrorKind.EXEC_TIMEOUT
-            _killpg(run.proc.pid)
             code = await run.exited
+        finally:
+            timer.cancel()
         finished = time.time()
         await self._drain(run, out, err)
         return _outcome(run, code, out, err, started, finished, req.timeout_s)
@@ -420,7 +431,14 @@ class ProcessBackend:
         loop.add_reader(pidfd, on_exit)
 
     async def _drain(self, run: _Run, out: CappedSink, err: CappedSink) -> None:
-        """Read what is left; a background child holding the pipes open is killed."""
+        """Read what is left; a background child holding the pipes open is killed.
+
+        Most actions' pipes are at their end by the exit (the kernel closes a process's files
+        before it signals its exit): read here and now, the action ends on the turn of the loop
+        that saw its exit, where waiting on the sinks would cost two turns more before its core
+        takes the next action (at 2,000 actions/s offered each turn is 0.1-0.3 ms)."""
+        if out.read_now() and err.read_now():
+            return
         done, _ = await asyncio.wait([out.eof, err.eof], timeout=DRAIN_AFTER_EXIT_S)
         if len(done) < 2:
             _killpg(run.proc.pid)
@@ -508,6 +526,11 @@ def remove_tree(path: Path) -> None:
         quiet = subprocess.DEVNULL
         argv = (RM, "-rf", "--one-file-system", "--", str(path))
         subprocess.run(argv, env={"PATH": "/usr/bin:/bin"}, stdin=quiet, stdout=quiet, stderr=quiet)
+
+
+def _time_out(run: _Run) -> None:
+    run.killed = run.killed or ErrorKind.EXEC_TIMEOUT
+    _killpg(run.proc.pid)
 
 
 def _killpg(pid: int) -> None:
