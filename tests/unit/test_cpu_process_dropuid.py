@@ -106,6 +106,19 @@ def test_a_directory_others_may_write_is_refused(tmp_path: Path, open_dir: Path)
         ("5", "5"),  # no "--"
         ("5", "5", "NOEQUALS", "--"),
         ("5", "5", "=x", "--"),
+        ("-c", "", "5", "5", "--"),  # -c: a list of CPUs, "0,3"
+        ("-c", "x", "5", "5", "--"),
+        ("-c", "0,", "5", "5", "--"),
+        ("-c", ",0", "5", "5", "--"),
+        ("-c", "0,,1", "5", "5", "--"),
+        ("-c", " 0", "5", "5", "--"),
+        ("-c", "+0", "5", "5", "--"),
+        ("-c", "-0", "5", "5", "--"),
+        ("-c", "65536", "5", "5", "--"),
+        ("-c", "99999999999999999999999", "5", "5", "--"),
+        ("-c", "65535", "5", "5", "--"),  # no such CPU here
+        ("-c", "0", "5", "5"),
+        ("-c",),
     ],
 )
 def test_misuse_never_runs_the_program(helper: Path, head: tuple[str, ...]) -> None:
@@ -123,6 +136,26 @@ def test_a_launcher_that_cannot_drop_root_never_runs_the_program(helper: Path) -
     assert said.returncode == 125
     assert b"RAN" not in said.stdout
     assert b"cannot become" in said.stderr
+
+
+def test_pinned_to_its_cpus_before_the_program_runs(helper: Path) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    for pinned in ([cpus[-1]], cpus):
+        listed = ",".join(map(str, pinned))
+        argv = ("grep", "Cpus_allowed_list", "/proc/self/status")
+        said = run((str(helper), "-c", listed, str(UID), str(UID), "--", *argv))
+        assert said.returncode == 0, said.stderr
+        allowed = said.stdout.split()[-1].decode()
+        assert _cpus(allowed) == set(pinned)
+
+
+def _cpus(listed: str) -> set[int]:
+    """The CPUs of a kernel CPU list ("0-2,5")."""
+    out: set[int] = set()
+    for part in listed.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def test_a_missing_program_is_127(helper: Path) -> None:

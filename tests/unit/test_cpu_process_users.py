@@ -71,6 +71,27 @@ async def test_actions_run_as_a_uid_of_their_trajectory(backend: ProcessBackend)
 
 
 @as_root
+async def test_the_launcher_pins_the_action_and_no_thread_of_the_agent_moves(
+    backend: ProcessBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tangram-dropuid pins the action to its cores before it runs: the spawning thread
+    never moves onto them (a migration that waits for a busy core)."""
+    moved: list[object] = []
+    pin = os.sched_setaffinity
+    monkeypatch.setattr(os, "sched_setaffinity", lambda *a: (moved.append(a), pin(*a)))
+    core = max(os.sched_getaffinity(0))
+    for aid in ("first", "second"):  # on the launcher thread, then on the loop
+        out = await backend.run(
+            ExecRequest(
+                aid, "tp", ("grep", "Cpus_allowed_list", "/proc/self/status"), (core,), 10, 4096
+            )
+        )
+        assert out.exit_code == 0, out.stderr
+        assert out.stdout.decode().split() == ["Cpus_allowed_list:", str(core)]
+    assert moved == []
+
+
+@as_root
 async def test_a_trajectory_cannot_touch_another_ones_files(backend: ProcessBackend) -> None:
     wrote = await run(backend, "ta", "echo secret > mine && echo $HOME")
     assert wrote.exit_code == 0, wrote.stderr

@@ -2,21 +2,26 @@
 beyond file ownership.
 
 One working directory per trajectory (its HOME and cwd) keeps state across that trajectory's
-actions. Run as root, each trajectory's actions run as an unprivileged uid of its own that
-alone owns its directory (``users``). Each action runs in its own session so a timeout kills
-the whole process group.
-Pinning without a fork-unsafe ``preexec_fn``: the spawning thread sets its own CPU affinity to
-the granted cores and spawns, so the child inherits exactly that mask from its first
-instruction. A trajectory's first action (its directory is made, its uid rid of what an
-earlier holder left) is spawned on a dedicated launcher thread, and so is every action while
-that thread has work, in order; any other is spawned on the event loop itself, which pins
-itself for the spawn and takes its own mask back at once. Handing every spawn to the thread
-cost a wake-up of the thread and one of the loop per action: under load the launch took 1.3-1.6
-ms (bench.throughput at 2,000/s offered, interleaved: 826-845 actions/s and 0.50 ms of agent CPU
-per action; spawned on the loop, 881-883/s and 0.43). The price: a spawn that hangs in the kernel
-(its program on a hung mount) holds the loop, so the agent falls silent and is failed as a
-silent node, where a wedged launcher thread fails only its canary. The exit is watched through
-a pidfd on the event loop.
+actions. Run as root, each trajectory's actions run as an unprivileged uid of its own that alone
+owns its directory (``users``). Each action runs in its own session so a timeout kills the whole
+process group. Pinning without a fork-unsafe ``preexec_fn``: run as root, the launcher that
+drops root (``tangram-dropuid -c``) pins itself to the granted cores before it execs the action,
+so the action runs there from its first instruction and no thread of the agent moves; otherwise
+(not root, or setpriv) the spawning thread sets its own CPU affinity to the granted cores and
+spawns, so the child inherits exactly that mask. Moving the thread is a migration that waits for
+the action's core: under load a quarter of the event loop's time (py-spy at 2,000/s offered);
+the throughput it gave back was within the runs' noise (bench.throughput, interleaved: 943-1,015
+actions/s pinned by the launcher, 913-1,028 by the loop), the loop's time is what it spares. A
+trajectory's first action (its directory is made, its uid rid of what an earlier holder left) is
+spawned on a dedicated launcher thread, and so is every action while that thread has work, in
+order; any other is spawned on the event loop itself (which, where it must pin itself for the
+spawn, takes its own mask back at once). Handing every spawn to the thread cost a wake-up of the
+thread and one of the loop per action: under load the launch took 1.3-1.6 ms (bench.throughput
+at 2,000/s offered, interleaved: 826-845 actions/s and 0.50 ms of agent CPU per action; spawned
+on the loop, 881-883/s and 0.43). The price: a spawn that hangs in the kernel (its program on a
+hung mount) holds the loop, so the agent falls silent and is failed as a silent node, where a
+wedged launcher thread fails only its canary. The exit is watched through a pidfd on the event
+loop.
 """
 
 from __future__ import annotations
@@ -299,7 +304,8 @@ class ProcessBackend:
         whole agent instead, see the module's docstring).
 
         It takes no core of its own and needs no free one: it runs, for a millisecond, on the
-        cores of the last action the launcher spawned (its thread's mask), beside what runs. A
+        launcher thread's mask (the agent's cores, or those of the last action the thread
+        pinned itself for), beside what runs. A
         node whose cores are all held by long actions that progress is never suspect (its
         counters move within the bound), so a canary that waited for a free core would only
         wrongly fail a busy node; as the agent's own user, in the env root (no trajectory's)."""
@@ -353,8 +359,9 @@ class ProcessBackend:
         env = self._environ(req, workdir)
         argv: Sequence[str] = req.argv
         if uid is not None:
-            argv, env = users.as_uid(uid, req.argv, env, self.run_as.launcher)
-        os.sched_setaffinity(0, req.cores)
+            argv, env = users.as_uid(uid, req.argv, env, self.run_as.launcher, req.cores)
+        if not self._launcher_pins(uid, req):
+            os.sched_setaffinity(0, req.cores)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
@@ -378,10 +385,18 @@ class ProcessBackend:
             _killpg(proc.pid)
         return proc, out_r, err_r
 
+    def _launcher_pins(self, uid: int | None, req: ExecRequest) -> bool:
+        """Whether the action's launcher pins it (``tangram-dropuid -c``), so that the spawning
+        thread stays where it is."""
+        return uid is not None and users.pins(self.run_as.launcher) and bool(req.cores)
+
     def _spawn_here(
         self, req: ExecRequest, workdir: Path, uid: int | None
     ) -> tuple[subprocess.Popen[bytes], int, int]:
-        """:meth:`_spawn` on the event loop's thread, which takes its own mask back after."""
+        """:meth:`_spawn` on the event loop's thread, which takes its own mask back after
+        where it had to pin itself."""
+        if self._launcher_pins(uid, req):
+            return self._spawn(req, workdir, uid)
         if self._mask is None:
             self._mask = os.sched_getaffinity(0)
         try:

@@ -1,4 +1,4 @@
-/* tangram-dropuid UID GID [NAME=VALUE...] -- PROGRAM [ARG...]
+/* tangram-dropuid [-c CPUS] UID GID [NAME=VALUE...] -- PROGRAM [ARG...]
 
    Runs PROGRAM (looked up in PATH) as UID:GID with no supplementary groups and no_new_privs:
    what `setpriv --reuid=UID --regid=GID --clear-groups --no-new-privs --` does, without
@@ -10,13 +10,19 @@
    C library would act on in a privileged process (LD_PRELOAD, GLIBC_TUNABLES, ...) this way
    rather than in this program's own environment.
 
+   With -c it first pins itself to CPUS (decimal CPU numbers joined by commas, "0,3"), so
+   PROGRAM and everything it starts run on those CPUs from PROGRAM's first instruction: the
+   backend need not move its own thread onto the action's cores to spawn it there (a
+   migration that waits for the target core, about a third of the agent's time under load).
+
    UID and GID are decimal, 1 to 4294967294 (0 is root, 4294967295 means "unchanged" to
-   setresuid). Exit 125 when it is misused or cannot drop privileges (the program never
+   setresuid). Exit 125 when it is misused or cannot pin or drop privileges (the program never
    runs), 127 when PROGRAM is not found, 126 when it cannot be executed, said as a shell says
    it ("PROGRAM: command not found"): PROGRAM is looked up here, as UID, never by root. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <grp.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,9 +31,59 @@
 
 #define FAILED 125
 
+#define MAX_CPU 65535
+
 static void usage(void) {
-    fprintf(stderr, "usage: tangram-dropuid UID GID [NAME=VALUE...] -- PROGRAM [ARG...]\n");
+    fprintf(stderr,
+            "usage: tangram-dropuid [-c CPUS] UID GID [NAME=VALUE...] -- PROGRAM [ARG...]\n");
     exit(FAILED);
+}
+
+static void not_cpus(const char *s) {
+    fprintf(stderr, "tangram-dropuid: not a list of CPUs (0,1,...): %s\n", s);
+    exit(FAILED);
+}
+
+/* Pin this process to the CPUs of "0,3,...": decimal numbers, each at most MAX_CPU, joined
+   by single commas. */
+static void pin(const char *s) {
+    unsigned long top = 0;
+    const char *p = s;
+    for (;;) { /* check it all and find the highest CPU before anything is set */
+        const char *start = p;
+        unsigned long v = 0;
+        for (; *p >= '0' && *p <= '9'; p++) {
+            v = v * 10 + (unsigned long)(*p - '0');
+            if (v > MAX_CPU)
+                not_cpus(s);
+        }
+        if (p == start)
+            not_cpus(s);
+        if (v > top)
+            top = v;
+        if (*p == '\0')
+            break;
+        if (*p++ != ',')
+            not_cpus(s);
+    }
+    cpu_set_t *set = CPU_ALLOC(top + 1);
+    size_t size = CPU_ALLOC_SIZE(top + 1);
+    if (set == NULL) {
+        fprintf(stderr, "tangram-dropuid: no memory for a CPU set\n");
+        exit(FAILED);
+    }
+    CPU_ZERO_S(size, set);
+    for (p = s; *p; p++) {
+        unsigned long v = strtoul(p, (char **)&p, 10);
+        CPU_SET_S(v, size, set);
+        if (*p == '\0')
+            break;
+    }
+    if (sched_setaffinity(0, size, set) != 0) {
+        fprintf(stderr, "tangram-dropuid: cannot run on CPUs %s: %s\n", s, strerror(errno));
+        exit(FAILED);
+    }
+    CPU_FREE(set);
 }
 
 static unsigned long id_arg(const char *s) {
@@ -48,6 +104,12 @@ static unsigned long id_arg(const char *s) {
 }
 
 int main(int argc, char **argv) {
+    if (argc >= 3 && strcmp(argv[1], "-c") == 0) {
+        pin(argv[2]); /* as root still: the program never runs unpinned */
+        argv[2] = argv[0];
+        argv += 2;
+        argc -= 2;
+    }
     if (argc < 5)
         usage();
     uid_t uid = (uid_t)id_arg(argv[1]);

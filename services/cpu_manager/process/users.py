@@ -180,12 +180,23 @@ class SlotClaim:
             self._file = None
 
 
+def pins(launcher: str) -> bool:
+    """Whether ``launcher`` pins the action to its cores itself (``as_uid``'s ``cores``):
+    ``tangram-dropuid`` does, setpriv does not (the spawning thread pins itself then)."""
+    return launcher != SETPRIV
+
+
 def as_uid(
-    uid: int, argv: Sequence[str], env: Mapping[str, str], launcher: str
+    uid: int,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    launcher: str,
+    cores: Sequence[int] = (),
 ) -> tuple[tuple[str, ...], dict[str, str]]:
     """The argv and environment that run ``argv`` with ``env`` as ``uid`` (the same gid, no
     supplementary groups, no gain through setuid programs), through ``launcher``
-    (``tangram-dropuid`` or setpriv, see ``run_as``).
+    (``tangram-dropuid`` or setpriv, see ``run_as``); pinned to ``cores`` by the launcher
+    where it ``pins`` (else ``cores`` are ignored).
 
     The launcher starts as root, and the C library honours variables such as LD_PRELOAD in a
     process that is root without being setuid: an action setting them would run its code as
@@ -199,15 +210,16 @@ def as_uid(
     assert uid > 0, "never run an action as root"
     held = [f"{k}={v}" for k, v in env.items() if _for_root_unsafe(k)]
     safe = {k: v for k, v in env.items() if not _for_root_unsafe(k)}
-    if launcher != SETPRIV:
-        return (launcher, str(uid), str(uid), *held, "--", *argv), safe
+    if pins(launcher):
+        pin = ("-c", ",".join(map(str, cores))) if cores else ()
+        return (launcher, *pin, str(uid), str(uid), *held, "--", *argv), safe
     if held and ENV is None:
         raise FileNotFoundError(errno.ENOENT, "env (coreutils) sets them after setpriv", "env")
     then = (ENV, *held) if held and ENV is not None else ()
     if then and "=" in argv[0]:  # env(1) would take it for one more variable
         raise OSError(errno.EINVAL, "cannot follow env(1): the name holds '='", argv[0])
     drop = (f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--")
-    return (SETPRIV, *drop, *then, *argv), safe
+    return (launcher, *drop, *then, *argv), safe  # launcher is SETPRIV here
 
 
 def _for_root_unsafe(name: str) -> bool:
