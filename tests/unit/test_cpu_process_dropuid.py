@@ -149,6 +149,22 @@ def test_pinned_to_its_cpus_before_the_program_runs(helper: Path) -> None:
         assert _cpus(allowed) == set(pinned)
 
 
+@pytest.mark.parametrize("head", [(), ("-c", "0")])
+def test_a_file_without_a_hash_bang_is_126_not_run_by_sh(
+    helper: Path, open_dir: Path, head: tuple[str, ...]
+) -> None:
+    """As CPython's subprocess (and the process backend without a launcher) says it; exec(3)'s
+    execvp would run it through /bin/sh."""
+    plain = open_dir / "plain"
+    plain.write_text("echo RAN\n")
+    os.chmod(plain, 0o755)
+    env = {"PATH": f"{open_dir}:{dropuid.SYSTEM_PATH}"}
+    for program in (str(plain), "plain"):
+        said = run((str(helper), *head, str(UID), str(UID), "--", program), env)
+        assert (said.returncode, said.stdout) == (126, b""), said
+        assert said.stderr == f"{program}: Exec format error\n".encode()
+
+
 def _cpus(listed: str) -> set[int]:
     """The CPUs of a kernel CPU list ("0-2,5")."""
     out: set[int] = set()

@@ -9,9 +9,12 @@ drops root (``tangram-dropuid -c``) pins itself to the granted cores before it e
 so the action runs there from its first instruction and no thread of the agent moves; otherwise
 (not root, or setpriv) the spawning thread sets its own CPU affinity to the granted cores and
 spawns, so the child inherits exactly that mask. Moving the thread is a migration that waits for
-the action's core: under load a quarter of the event loop's time (py-spy at 2,000/s offered);
-the throughput it gave back was within the runs' noise (bench.throughput, interleaved: 943-1,015
-actions/s pinned by the launcher, 913-1,028 by the loop), the loop's time is what it spares. A
+the action's core (here busy with the mesh's own processes): under load a quarter of the event
+loop's time (py-spy at 2,000/s offered). Pinned by the launcher, the secure mesh went from
+960-999 to 1,109-1,157 actions/s (bench.secure_mesh --actions 4000 --trajectories 32,
+interleaved). Actions as the agent's user have no launcher; one only to pin them (an exec more,
++0.17 ms of CPU per action) gave bench.throughput 1,011-1,128 against 991-1,063 actions/s, not
+enough for its CPU, and nothing where the mesh does not share the node's cores. A
 trajectory's first action (its directory is made, its uid rid of what an earlier holder left) is
 spawned on a dedicated launcher thread, and so is every action while that thread has work, in
 order; any other is spawned on the event loop itself (which, where it must pin itself for the

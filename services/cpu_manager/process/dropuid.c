@@ -13,7 +13,11 @@
    With -c it first pins itself to CPUS (decimal CPU numbers joined by commas, "0,3"), so
    PROGRAM and everything it starts run on those CPUs from PROGRAM's first instruction: the
    backend need not move its own thread onto the action's cores to spawn it there (a
-   migration that waits for the target core, about a third of the agent's time under load).
+   migration that waits for the target core, a quarter of the agent's time under load).
+
+   PROGRAM is looked up in PATH as execve(2) and CPython's subprocess do it, not as execvp(3)
+   (which would run a file without a #! line through /bin/sh): a file that cannot be executed
+   is 126 whichever way the backend starts it.
 
    UID and GID are decimal, 1 to 4294967294 (0 is root, 4294967295 means "unchanged" to
    setresuid). Exit 125 when it is misused or cannot pin or drop privileges (the program never
@@ -103,6 +107,50 @@ static unsigned long id_arg(const char *s) {
     return v;
 }
 
+/* Exec PROGRAM (args[0]) as CPython's subprocess does: a name with a slash as it is, else each
+   directory of PATH (unset: /bin:/usr/bin) in turn, skipping those where it is missing; the
+   first other failure is the one reported, as a shell says it. Never returns. */
+__attribute__((noreturn)) static void run(char **args) {
+    const char *prog = args[0];
+    int err = ENOENT;
+    if (strchr(prog, '/') != NULL) {
+        execv(prog, args);
+        err = errno;
+    } else {
+        const char *path = getenv("PATH");
+        if (path == NULL)
+            path = "/bin:/usr/bin";
+        size_t n = strlen(prog);
+        char *full = malloc(strlen(path) + n + 2);
+        if (full == NULL) {
+            fprintf(stderr, "tangram-dropuid: no memory for a path\n");
+            exit(FAILED);
+        }
+        int saved = 0;
+        for (const char *dir = path;; dir++) {
+            const char *end = strchr(dir, ':');
+            size_t len = end == NULL ? strlen(dir) : (size_t)(end - dir);
+            memcpy(full, dir, len);
+            full[len] = '\0';
+            if (len > 0)
+                strcat(full, "/");
+            strcat(full, prog);
+            execv(full, args);
+            err = errno;
+            if (err != ENOENT && err != ENOTDIR && saved == 0)
+                saved = err;
+            if (end == NULL)
+                break;
+            dir = end;
+        }
+        if (saved != 0)
+            err = saved;
+    }
+    int missing = err == ENOENT || err == ENOTDIR;
+    fprintf(stderr, "%s: %s\n", prog, missing ? "command not found" : strerror(err));
+    exit(missing ? 127 : 126);
+}
+
 int main(int argc, char **argv) {
     if (argc >= 3 && strcmp(argv[1], "-c") == 0) {
         pin(argv[2]); /* as root still: the program never runs unpinned */
@@ -139,9 +187,5 @@ int main(int argc, char **argv) {
             fprintf(stderr, "tangram-dropuid: cannot set %s: %s\n", argv[i], strerror(errno));
             return FAILED;
         }
-    execvp(argv[dash + 1], argv + dash + 1);
-    int err = errno;
-    int missing = err == ENOENT || err == ENOTDIR;
-    fprintf(stderr, "%s: %s\n", argv[dash + 1], missing ? "command not found" : strerror(err));
-    return missing ? 127 : 126;
+    run(argv + dash + 1);
 }
