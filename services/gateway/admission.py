@@ -28,7 +28,9 @@ from tangram.errors import Busy
 REFILL_AT = 0.5
 RETRY_MIN_S = 0.05  # never ask for a retry sooner (the backlog is over the bound now)
 RETRY_MAX_S = 5.0  # nor later: the rate may have risen, and clients have a budget
-RETRY_COLD_S = 1.0  # nothing finished lately: no rate to compute a drain time from
+# nothing finished lately (no rate to compute a drain time from), or the rate is only what
+# arrived (the mesh was never at capacity lately): come back this soon at the latest
+RETRY_COLD_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,16 +49,20 @@ def limit(rate_per_s: float, bounds: Bounds) -> int:
     return min(bounds.ceiling, max(bounds.floor, int(rate_per_s * bounds.backlog_s)))
 
 
-def retry_after(backlog: int, bound: int, rate_per_s: float) -> float:
-    """Seconds until ``backlog`` has drained to ``REFILL_AT`` of ``bound`` (clamped)."""
+def retry_after(backlog: int, bound: int, rate_per_s: float, at_capacity: bool = True) -> float:
+    """Seconds until ``backlog`` has drained to ``REFILL_AT`` of ``bound`` (clamped); at most
+    ``RETRY_COLD_S`` when the rate is not the mesh's capacity (it may drain much faster)."""
     if rate_per_s <= 0:
         return RETRY_COLD_S
     drain_s = (backlog - REFILL_AT * bound) / rate_per_s
-    return round(min(RETRY_MAX_S, max(RETRY_MIN_S, drain_s)), 3)
+    top = RETRY_MAX_S if at_capacity else RETRY_COLD_S
+    return round(min(top, max(RETRY_MIN_S, drain_s)), 3)
 
 
-def _busy(backlog: int, bound: int, rate_per_s: float, bounds: Bounds) -> Busy:
-    wait_s = retry_after(backlog, bound, rate_per_s)
+def _busy(
+    backlog: int, bound: int, rate_per_s: float, bounds: Bounds, at_capacity: bool = True
+) -> Busy:
+    wait_s = retry_after(backlog, bound, rate_per_s, at_capacity)
     return Busy(
         f"the mesh is busy: {backlog} accepted actions are not finished, the limit is {bound} "
         f"(~{bounds.backlog_s:g}s of work at {rate_per_s:.0f} finished/s); "
@@ -81,6 +87,7 @@ class Admission:
         self.bounds = bounds
         self.reported = 0  # queued + running in the scheduler's last report
         self.rate_per_s = 0.0
+        self.at_capacity = False  # whether the rate was measured while actions waited
         # what this gateway admitted that the last report does not count (oldest first)
         self._unseen: deque[Admitted] = deque()
         self._counted = 0  # of those, the ones still counted
@@ -97,6 +104,7 @@ class Admission:
         """A new report replaces the estimate: what it says the scheduler received is in it."""
         self.reported = pressure.backlog
         self.rate_per_s = pressure.finished_per_s
+        self.at_capacity = pressure.at_capacity
         seen = pressure.received_up_to
         if seen > 0:
             while self._unseen and self._unseen[0].submitted_at <= seen:
@@ -120,7 +128,7 @@ class Admission:
             self._counted += 1
             return admitted
         self.refused += 1
-        return _busy(self.backlog, self.bound, self.rate_per_s, self.bounds)
+        return _busy(self.backlog, self.bound, self.rate_per_s, self.bounds, self.at_capacity)
 
     def admit(self, submitted_at: float = 0.0) -> Busy | None:
         """:meth:`take`, for a caller that never voids: None when admitted."""

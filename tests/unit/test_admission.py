@@ -35,9 +35,9 @@ BOUNDS = Bounds(backlog_s=5.0, floor=100, ceiling=10_000)
 
 def refusal(backlog: int, rate_per_s: float, bounds: Bounds) -> Busy | None:
     """The gateway's decision on one more submit after a report of ``backlog`` draining at
-    ``rate_per_s``."""
+    ``rate_per_s`` (measured at capacity)."""
     admission = Admission(bounds)
-    admission.observe(Pressure(queued=backlog, finished_per_s=rate_per_s))
+    admission.observe(Pressure(queued=backlog, finished_per_s=rate_per_s, at_capacity=True))
     return admission.admit()
 
 
@@ -167,6 +167,46 @@ def test_drain_rate_is_finishes_per_second_over_the_window() -> None:
     assert rate.span_s() == pytest.approx(5.0, abs=0.25)
 
 
+def test_a_burst_after_a_quiet_spell_is_measured_at_capacity() -> None:
+    """Over wall time, a burst after a quiet spell measures the spell: the capacity is the rate
+    of the intervals that began with actions queued."""
+    rate = DrainRate(window_s=5.0)
+    for i in range(41):  # 10 s at 20/s, nothing queued
+        rate.add(0 if i == 0 else 5, now=100.0 + i * 0.25)
+    assert (rate.per_s(), rate.at_capacity()) == (pytest.approx(20.0), False)
+    rate.add(250, now=110.25, queued_before=False)  # the burst's first tick: none waited yet
+    assert not rate.at_capacity()
+    for i in range(1, 3):  # then 0.5 s with actions queued, 1,000/s finished
+        rate.add(250, now=110.25 + i * 0.25, queued_before=True)
+    assert rate.at_capacity()
+    assert rate.per_s() == pytest.approx(1000.0)  # over wall time, 5 s: 167/s
+    for i in range(1, 41):  # quiet again for 10 s: the capacity stays known ...
+        rate.add(0, now=110.75 + i * 0.25)
+    assert rate.per_s() == pytest.approx(1000.0)
+    rate.add(0, now=110.75 + 61.0)  # ... for a minute
+    assert (rate.per_s(), rate.at_capacity()) == (0.0, False)
+
+
+def test_capacity_is_the_last_window_of_saturated_time() -> None:
+    rate = DrainRate(window_s=2.0)
+    rate.add(0, now=0.0)
+    for i in range(1, 9):  # 2 s at 1,000/s, then 2 s at 100/s, all queued
+        rate.add(500 if i <= 4 else 50, now=i * 0.5, queued_before=True)
+    assert rate.per_s() == pytest.approx(100.0)
+
+
+def test_a_rate_not_at_capacity_never_asks_for_a_long_retry() -> None:
+    adm = Admission(Bounds(backlog_s=5.0, floor=100, ceiling=100_000))
+    adm.observe(Pressure(queued=400, finished_per_s=20.0))  # what arrived, not what it can
+    busy = adm.take()
+    assert isinstance(busy, Busy)
+    assert busy.retry_after_s == RETRY_COLD_S  # (400 - 50) / 20 = 17.5 s otherwise
+    adm.observe(Pressure(queued=400, finished_per_s=20.0, at_capacity=True))
+    busy = adm.take()
+    assert isinstance(busy, Busy)
+    assert busy.retry_after_s == RETRY_MAX_S
+
+
 def test_gauge_measures_backlog_of_both_cores() -> None:
     core, quotas = SchedulerCore(), QuotaCore()
     gauge = Gauge(bus=None, epoch=7)  # type: ignore[arg-type]  # measure() never sends
@@ -179,6 +219,17 @@ def test_gauge_measures_backlog_of_both_cores() -> None:
     assert p.backlog == 0
     assert p.window_s == 1.0
     assert gauge.measure(core, quotas, now=2.0, received_up_to=123.5).received_up_to == 123.5
+
+
+def test_the_gauge_says_when_its_rate_was_measured_with_actions_queued() -> None:
+    core, quotas = SchedulerCore(), QuotaCore()  # no node: what is enqueued stays queued
+    gauge = Gauge(bus=None, epoch=7)  # type: ignore[arg-type]  # measure() never sends
+    assert not gauge.measure(core, quotas, now=0.0).at_capacity
+    core.enqueue(kit_action("a", "t"), now=0.0)
+    assert not gauge.measure(core, quotas, now=1.0).at_capacity  # queued from here on
+    core.finished += 50
+    p = gauge.measure(core, quotas, now=2.0)
+    assert (p.queued, p.at_capacity, p.finished_per_s) == (1, True, pytest.approx(50.0))
 
 
 # ----------------------------------------------------------------------------- the client

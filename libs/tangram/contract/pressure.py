@@ -23,8 +23,10 @@ class Pressure(_Msg, tag="pressure"):
     """Accepted-but-unfinished actions the scheduler holds, and how fast they finish.
 
     ``queued``/``running`` count both cores (node and quota); ``finished_per_s`` is the rate
-    of terminal results over the last ``window_s`` seconds (0 on a cold mesh);
-    ``received_up_to`` says which admissions the backlog already counts."""
+    of terminal results (0 on a cold mesh): with ``at_capacity``, measured while actions
+    waited in the queue (what the mesh can finish), else over the last ``window_s`` seconds
+    (what arrived, a floor of what it can); ``received_up_to`` says which admissions the
+    backlog already counts."""
 
     epoch: Annotated[int, Meta(ge=0)] = 0
     queued: Backlog = 0
@@ -35,6 +37,7 @@ class Pressure(_Msg, tag="pressure"):
     # received: a gateway's admissions up to it are in this report's backlog, the later ones
     # not yet (0: not said, an older scheduler)
     received_up_to: Annotated[float, Meta(ge=0, le=1e11)] = 0.0
+    at_capacity: bool = False
 
     @property
     def backlog(self) -> int:
