@@ -65,6 +65,8 @@ class DrainRate:
             _, seconds, n = self._full.popleft()
             self._full_s -= seconds
             self._full_n -= n
+        if not self._full:  # no float residue left behind
+            self._full_s, self._full_n = 0.0, 0
         self.total += finished
         self._marks.append((now, self.total))
         while len(self._marks) > 2 and now - self._marks[1][0] >= self.window_s:

@@ -209,6 +209,27 @@ async def test_a_waiting_action_starts_on_the_turn_its_cores_were_freed(
     assert sorted(c.action_id for c in scheduler.of(Completion)) == ["a", "b"]
 
 
+async def test_a_failure_applying_an_end_does_not_lose_the_action_behind_it(
+    mesh: tuple[Agent, FakeExecutor, FakeScheduler, Any], monkeypatch: pytest.MonkeyPatch
+):
+    agent, executor, scheduler, sbus = mesh
+    scheduler.acking.set()
+    await agent.start()
+    await eventually(lambda: scheduler.of(NodeReport), what="registration")
+    behind = msgspec.structs.replace(dispatch("b", cores=(0,)), after=("a",))
+    await sbus.publish(subjects.node("n0"), Commands(items=(dispatch("a"), behind), epoch=1))
+    await eventually(lambda: "a" in executor.release and "b" in agent.core.waiting, what="b held")
+    coalesce = agent._coalesce
+
+    def once(c: Completion) -> None:
+        monkeypatch.setattr(agent, "_coalesce", coalesce)
+        raise RuntimeError("a bug applying a's end")
+
+    monkeypatch.setattr(agent, "_coalesce", once)
+    executor.release["a"].set()
+    await eventually(lambda: "b" in executor.release, what="b to start all the same")
+
+
 class CanaryExecutor(FakeExecutor):
     """A fake executor with the canary hook, wedged until ``unwedge`` is set."""
 

@@ -328,7 +328,13 @@ class Agent(Service):
             outcome = self.core.not_started(aid, self.clock()) or await self._execute(d)
             effects = self.core.finished(aid, outcome, self.clock(), self.mono())
             d = next((e.dispatch for e in effects if isinstance(e, Run)), None)
-            await self._apply([e for e in effects if not (isinstance(e, Run) and e.dispatch is d)])
+            rest = [e for e in effects if not (isinstance(e, Run) and e.dispatch is d)]
+            try:
+                await self._apply(rest)
+            except Exception:
+                if d is not None:  # its units are booked to it: it runs, in a task of its own
+                    self._own(self._run(d), self._runs)
+                raise
 
     async def _execute(self, d: Dispatch) -> Outcome:
         """The executor's outcome; an executor that raises is an internal failure."""
