@@ -1,7 +1,8 @@
 """The process backend's output (``CappedSink``): past its cap, an action flooding its stdout
 costs the agent's event loop little, and a chatty one still finishes with its output capped;
 what is left in the pipes at the exit is read whole; a background child holding them is killed;
-a timeout kills the action's group and keeps what it wrote."""
+a timeout kills the action's group and keeps what it wrote; a sink never reads a pipe once
+closed (its fd number may be the next action's), so each action gets its own output."""
 
 from __future__ import annotations
 
@@ -105,3 +106,36 @@ async def test_a_pipe_at_its_end_is_read_at_once() -> None:
     assert not sink.read_now()  # past the cap: paused
     assert (sink.value(), sink.truncated) == (b"all ", True)
     await asyncio.wait_for(sink.eof, 5.0)
+
+
+async def test_a_closed_sink_never_reads_the_pipe_that_took_its_fd_number() -> None:
+    """The exit's read comes after the loop may have seen the pipe's end and closed it, and
+    the next action's pipe may have the freed fd number by then: its output is not taken."""
+    r, w = os.pipe()
+    os.close(w)
+    sink = CappedSink(r, 64)
+    assert sink.read_now()  # at its end: closed, r is free
+    r2, w2 = os.pipe()  # the next action's pipe, on the freed number (the lowest free one)
+    if r2 != r:
+        os.dup2(r2, r)
+    os.set_blocking(r, False)  # as the next action's sink sets it
+    os.write(w2, b"theirs")
+    try:
+        assert sink.read_now()
+        assert sink.value() == b""
+        assert os.read(r, 64) == b"theirs"
+    finally:
+        for fd in {r, r2, w2}:
+            os.close(fd)
+
+
+async def test_many_short_actions_at_once_each_get_their_own_output(
+    backend: ProcessBackend,
+) -> None:
+    cores = tuple(sorted(os.sched_getaffinity(0)))
+    reqs = [
+        ExecRequest(f"a{i}", f"t{i % 8}", ("echo", str(i)), (cores[i % len(cores)],), 30.0, 64)
+        for i in range(300)
+    ]
+    outs = await asyncio.gather(*(backend.run(r) for r in reqs))
+    assert [o.stdout for o in outs] == [b"%d\n" % i for i in range(300)]

@@ -125,8 +125,9 @@ class CappedSink:
 
     def read_now(self) -> bool:
         """Read what the pipe holds now (up to the cap: past it, the pause holds); whether it
-        is at its end (then closed)."""
-        while self._resume is None and self._readable():
+        is at its end (then closed). Never reads once closed: its fd number may be another
+        pipe's by then (the next action's, spawned meanwhile)."""
+        while not self.eof.done() and self._resume is None and self._readable():
             pass
         return self.eof.done()
 
