@@ -183,12 +183,10 @@ async def test_a_refused_completion_does_not_hold_back_the_others_of_its_batch(
     await eventually(lambda: set(agent.core.unacked) == {"bad"}, what="a acked alone")
 
 
-async def test_a_waiting_action_starts_on_the_turn_its_cores_were_freed(
+async def b_behind_a(
     mesh: tuple[Agent, FakeExecutor, FakeScheduler, Any],
-):
-    """The dispatch pipelined behind an action starts within the turn of the event loop in
-    which that action ended: a task of its own would start one turn later, each turn at load
-    0.1-0.3 ms of its core standing idle."""
+) -> tuple[Agent, FakeExecutor, FakeScheduler]:
+    """A started agent running ``a`` on core 0, with ``b`` pipelined behind it."""
     agent, executor, scheduler, sbus = mesh
     scheduler.acking.set()
     await agent.start()
@@ -196,6 +194,16 @@ async def test_a_waiting_action_starts_on_the_turn_its_cores_were_freed(
     behind = msgspec.structs.replace(dispatch("b", cores=(0,)), after=("a",))
     await sbus.publish(subjects.node("n0"), Commands(items=(dispatch("a"), behind), epoch=1))
     await eventually(lambda: "a" in executor.release and "b" in agent.core.waiting, what="b held")
+    return agent, executor, scheduler
+
+
+async def test_a_waiting_action_starts_on_the_turn_its_cores_were_freed(
+    mesh: tuple[Agent, FakeExecutor, FakeScheduler, Any],
+):
+    """The dispatch pipelined behind an action starts within the turn of the event loop in
+    which that action ended: a task of its own would start one turn later, each turn at load
+    0.1-0.3 ms of its core standing idle."""
+    agent, executor, scheduler = await b_behind_a(mesh)
     assert "b" not in executor.release
     started_by_the_next_turn: list[bool] = []
     executor.release["a"].set()  # a's end is due on the next turn, then this
@@ -212,13 +220,7 @@ async def test_a_waiting_action_starts_on_the_turn_its_cores_were_freed(
 async def test_a_failure_applying_an_end_does_not_lose_the_action_behind_it(
     mesh: tuple[Agent, FakeExecutor, FakeScheduler, Any], monkeypatch: pytest.MonkeyPatch
 ):
-    agent, executor, scheduler, sbus = mesh
-    scheduler.acking.set()
-    await agent.start()
-    await eventually(lambda: scheduler.of(NodeReport), what="registration")
-    behind = msgspec.structs.replace(dispatch("b", cores=(0,)), after=("a",))
-    await sbus.publish(subjects.node("n0"), Commands(items=(dispatch("a"), behind), epoch=1))
-    await eventually(lambda: "a" in executor.release and "b" in agent.core.waiting, what="b held")
+    agent, executor, _ = await b_behind_a(mesh)
     coalesce = agent._coalesce
 
     def once(c: Completion) -> None:
