@@ -128,6 +128,8 @@ def test_the_config_gives_the_bounds_and_reads_the_environment(
         {"type": "pressure", "received_up_to": math.nan},  # would keep every admission counted
         {"type": "pressure", "received_up_to": math.inf},  # would forget every admission
         {"type": "pressure", "received_up_to": -1.0},
+        {"type": "pressure", "at_capacity": "yes"},  # would lift the 1 s cap on retries
+        {"type": "pressure", "at_capacity": 1},
         {"type": "something-else"},
     ],
 )
@@ -137,7 +139,15 @@ def test_a_hostile_pressure_report_is_refused_by_the_codec(raw: dict[str, object
 
 def test_garbage_is_refused_and_a_valid_report_round_trips() -> None:
     assert isinstance(decode_request(b"\xc1\xff garbage", Pressure), ErrorReply)
-    p = Pressure(epoch=3, queued=5, running=2, finished_per_s=1.5, window_s=5.0, received_up_to=9.5)
+    p = Pressure(
+        epoch=3,
+        queued=5,
+        running=2,
+        finished_per_s=1.5,
+        window_s=5.0,
+        received_up_to=9.5,
+        at_capacity=True,
+    )
     assert codec.decode(encode(p), Pressure) == p
     assert p.backlog == 7
 

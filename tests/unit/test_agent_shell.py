@@ -201,8 +201,8 @@ async def test_a_waiting_action_starts_on_the_turn_its_cores_were_freed(
     mesh: tuple[Agent, FakeExecutor, FakeScheduler, Any],
 ):
     """The dispatch pipelined behind an action starts within the turn of the event loop in
-    which that action ended: a task of its own would start one turn later, each turn at load
-    0.1-0.3 ms of its core standing idle."""
+    which that action ended: a task of its own would start one turn later, its core idle
+    meanwhile (see the process backend's ``_drain``)."""
     agent, executor, scheduler = await b_behind_a(mesh)
     assert "b" not in executor.release
     started_by_the_next_turn: list[bool] = []

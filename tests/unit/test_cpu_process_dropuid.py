@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from services.cpu_manager.cpulist import format_cpulist, parse_cpulist
 from services.cpu_manager.process import dropuid, users
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping root needs root")
@@ -106,11 +107,15 @@ def test_a_directory_others_may_write_is_refused(tmp_path: Path, open_dir: Path)
         ("5", "5"),  # no "--"
         ("5", "5", "NOEQUALS", "--"),
         ("5", "5", "=x", "--"),
-        ("-c", "", "5", "5", "--"),  # -c: a list of CPUs, "0,3"
+        ("-c", "", "5", "5", "--"),  # -c: a kernel cpulist, "0-3,8"
         ("-c", "x", "5", "5", "--"),
         ("-c", "0,", "5", "5", "--"),
         ("-c", ",0", "5", "5", "--"),
         ("-c", "0,,1", "5", "5", "--"),
+        ("-c", "3-1", "5", "5", "--"),  # a range downwards
+        ("-c", "0-", "5", "5", "--"),
+        ("-c", "0--1", "5", "5", "--"),
+        ("-c", "0-1-2", "5", "5", "--"),
         ("-c", " 0", "5", "5", "--"),
         ("-c", "+0", "5", "5", "--"),
         ("-c", "-0", "5", "5", "--"),
@@ -140,13 +145,12 @@ def test_a_launcher_that_cannot_drop_root_never_runs_the_program(helper: Path) -
 
 def test_pinned_to_its_cpus_before_the_program_runs(helper: Path) -> None:
     cpus = sorted(os.sched_getaffinity(0))
-    for pinned in ([cpus[-1]], cpus):
-        listed = ",".join(map(str, pinned))
+    for pinned in ([cpus[-1]], cpus):  # a range, where the machine has two CPUs or more
+        listed = format_cpulist(pinned)
         argv = ("grep", "Cpus_allowed_list", "/proc/self/status")
         said = run((str(helper), "-c", listed, str(UID), str(UID), "--", *argv))
         assert said.returncode == 0, said.stderr
-        allowed = said.stdout.split()[-1].decode()
-        assert _cpus(allowed) == set(pinned)
+        assert parse_cpulist(said.stdout.split()[-1].decode()) == set(pinned)
 
 
 @pytest.mark.parametrize("head", [(), ("-c", "0")])
@@ -163,15 +167,6 @@ def test_a_file_without_a_hash_bang_is_126_not_run_by_sh(
         said = run((str(helper), *head, str(UID), str(UID), "--", program), env)
         assert (said.returncode, said.stdout) == (126, b""), said
         assert said.stderr == f"{program}: Exec format error\n".encode()
-
-
-def _cpus(listed: str) -> set[int]:
-    """The CPUs of a kernel CPU list ("0-2,5")."""
-    out: set[int] = set()
-    for part in listed.split(","):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
 
 
 def test_a_missing_program_is_127(helper: Path) -> None:

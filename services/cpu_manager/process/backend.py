@@ -455,7 +455,8 @@ class ProcessBackend:
         Most actions' pipes are at their end by the exit (the kernel closes a process's files
         before it signals its exit): read here and now, the action ends on the turn of the loop
         that saw its exit, where waiting on the sinks would cost two turns more before its core
-        takes the next action (at 2,000 actions/s offered each turn is 0.1-0.3 ms)."""
+        takes the next action (at 2,000 actions/s offered, before this, a core turned over
+        every ~2.4 ms while a `true` took ~1.5 ms from spawn to exit: ~0.9 ms between)."""
         if out.read_now() and err.read_now():
             return
         done, _ = await asyncio.wait([out.eof, err.eof], timeout=DRAIN_AFTER_EXIT_S)

@@ -10,7 +10,8 @@
    C library would act on in a privileged process (LD_PRELOAD, GLIBC_TUNABLES, ...) this way
    rather than in this program's own environment.
 
-   With -c it first pins itself to CPUS (decimal CPU numbers joined by commas, "0,3"), so
+   With -c it first pins itself to CPUS (a kernel cpulist, as services/cpu_manager/cpulist.py
+   writes it: decimal CPU numbers and ascending ranges joined by commas, "0-3,8"), so
    PROGRAM and everything it starts run on those CPUs from PROGRAM's first instruction: the
    backend need not move its own thread onto the action's cores to spawn it there (a
    migration that waits for the target core, a quarter of the agent's time under load).
@@ -44,32 +45,51 @@ static void usage(void) {
 }
 
 static void not_cpus(const char *s) {
-    fprintf(stderr, "tangram-dropuid: not a list of CPUs (0,1,...): %s\n", s);
+    fprintf(stderr, "tangram-dropuid: not a cpulist (0-3,8): %s\n", s);
     exit(FAILED);
 }
 
-/* Pin this process to the CPUs of "0,3,...": decimal numbers, each at most MAX_CPU, joined
-   by single commas. */
-static void pin(const char *s) {
+/* A CPU number at *p (decimal, at most MAX_CPU), *p moved past it. */
+static unsigned long cpu_at(const char **p, const char *s) {
+    const char *start = *p;
+    unsigned long v = 0;
+    for (; **p >= '0' && **p <= '9'; (*p)++) {
+        v = v * 10 + (unsigned long)(**p - '0');
+        if (v > MAX_CPU)
+            not_cpus(s);
+    }
+    if (*p == start)
+        not_cpus(s);
+    return v;
+}
+
+/* Walk the cpulist s: items N or LO-HI (LO <= HI) joined by single commas; each CPU is put
+   in set (when not NULL); the highest CPU is returned. */
+static unsigned long walk(const char *s, cpu_set_t *set, size_t size) {
     unsigned long top = 0;
     const char *p = s;
-    for (;;) { /* check it all and find the highest CPU before anything is set */
-        const char *start = p;
-        unsigned long v = 0;
-        for (; *p >= '0' && *p <= '9'; p++) {
-            v = v * 10 + (unsigned long)(*p - '0');
-            if (v > MAX_CPU)
+    for (;;) {
+        unsigned long lo = cpu_at(&p, s), hi = lo;
+        if (*p == '-') {
+            p++;
+            hi = cpu_at(&p, s);
+            if (hi < lo)
                 not_cpus(s);
         }
-        if (p == start)
-            not_cpus(s);
-        if (v > top)
-            top = v;
+        for (unsigned long v = lo; set != NULL && v <= hi; v++)
+            CPU_SET_S(v, size, set);
+        if (hi > top)
+            top = hi;
         if (*p == '\0')
-            break;
+            return top;
         if (*p++ != ',')
             not_cpus(s);
     }
+}
+
+/* Pin this process to the CPUs of the cpulist s: all of it is checked before anything is set. */
+static void pin(const char *s) {
+    unsigned long top = walk(s, NULL, 0);
     cpu_set_t *set = CPU_ALLOC(top + 1);
     size_t size = CPU_ALLOC_SIZE(top + 1);
     if (set == NULL) {
@@ -77,12 +97,7 @@ static void pin(const char *s) {
         exit(FAILED);
     }
     CPU_ZERO_S(size, set);
-    for (p = s; *p; p++) {
-        unsigned long v = strtoul(p, (char **)&p, 10);
-        CPU_SET_S(v, size, set);
-        if (*p == '\0')
-            break;
-    }
+    walk(s, set, size);
     if (sched_setaffinity(0, size, set) != 0) {
         fprintf(stderr, "tangram-dropuid: cannot run on CPUs %s: %s\n", s, strerror(errno));
         exit(FAILED);

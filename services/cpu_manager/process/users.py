@@ -31,6 +31,7 @@ from typing import IO, Final
 
 import psutil
 
+from services.cpu_manager.cpulist import format_cpulist
 from services.cpu_manager.process import dropuid
 
 UID_BASE: Final = 0x4000_0000  # far above what useradd, systemd or subuid ranges hand out
@@ -211,7 +212,7 @@ def as_uid(
     held = [f"{k}={v}" for k, v in env.items() if _for_root_unsafe(k)]
     safe = {k: v for k, v in env.items() if not _for_root_unsafe(k)}
     if pins(launcher):
-        pin = ("-c", ",".join(map(str, cores))) if cores else ()
+        pin = ("-c", format_cpulist(cores)) if cores else ()
         return (launcher, *pin, str(uid), str(uid), *held, "--", *argv), safe
     if held and ENV is None:
         raise FileNotFoundError(errno.ENOENT, "env (coreutils) sets them after setpriv", "env")
