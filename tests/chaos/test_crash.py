@@ -42,14 +42,17 @@ def specs(uid: str, log: Path, n: int, trajectories: int, sleep: str) -> list[Ac
 async def terminal_records(dsn: str, ids: list[str]) -> tuple[dict[str, str], dict[str, int]]:
     conn = await asyncpg.connect(dsn)
     try:
-        rows = await conn.fetch(
-            "SELECT action_id, status FROM actions WHERE action_id = ANY($1)", ids
-        )
-        events = await conn.fetch(
-            "SELECT action_id, count(*) AS n FROM action_events WHERE action_id = ANY($1)"
-            " AND status IN ('succeeded', 'failed', 'cancelled') GROUP BY action_id",
-            ids,
-        )
+        # one snapshot for both reads: a terminal record committing between two statements
+        # showed its event beside the row's status from before it ('running')
+        async with conn.transaction(isolation="repeatable_read", readonly=True):
+            rows = await conn.fetch(
+                "SELECT action_id, status FROM actions WHERE action_id = ANY($1)", ids
+            )
+            events = await conn.fetch(
+                "SELECT action_id, count(*) AS n FROM action_events WHERE action_id = ANY($1)"
+                " AND status IN ('succeeded', 'failed', 'cancelled') GROUP BY action_id",
+                ids,
+            )
     finally:
         await conn.close()
     return {r["action_id"]: r["status"] for r in rows}, {r["action_id"]: r["n"] for r in events}
