@@ -127,11 +127,13 @@ async def running_mesh(
 
 
 @contextlib.asynccontextmanager
-async def process_backend(root: Path, node_id: str) -> AsyncIterator[ProcessBackend]:
+async def process_backend(
+    root: Path, node_id: str, spawner: bool = True
+) -> AsyncIterator[ProcessBackend]:
     """A started process backend with its environments under ``root`` (actions as this test's
-    own user), closed on exit."""
+    own user; ``spawner`` off: forked by the agent itself), closed on exit."""
     backend = ProcessBackend(
-        ProcessConfig(root=root / "envs", node_id=node_id, trajectory_uids=False)
+        ProcessConfig(root=root / "envs", node_id=node_id, trajectory_uids=False, spawner=spawner)
     )
     await backend.start()
     try:

@@ -103,6 +103,7 @@ async def make_backend(cfg: CpuManagerConfig, incarnation: str) -> tuple[Backend
             node_id=cfg.node_id,
             incarnation=incarnation,
             trajectory_uids=cfg.trajectory_uids,
+            spawner=cfg.spawner,
         )
     )
     return process, choice.line

@@ -37,6 +37,9 @@ class CpuManagerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # The process backend run as root: each trajectory's actions as an unprivileged uid of its
     # own, its directory closed to the others (off: as the agent's user; see process.users).
     trajectory_uids: bool = True
+    # The process backend starts actions through tangram-spawner (see process.spawner); off,
+    # or where it cannot be built, the agent forks them itself.
+    spawner: bool = True
     docker: DockerConfig = msgspec.field(default_factory=DockerConfig)
 
     def env_root(self) -> Path:

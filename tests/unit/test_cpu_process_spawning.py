@@ -1,4 +1,5 @@
-"""Where the process backend spawns: a trajectory's first action on the launcher thread (its
+"""Where the process backend spawns without its spawner (off, or where it cannot be built;
+``test_cpu_spawner`` has it): a trajectory's first action on the launcher thread (its
 directory made there), a later one on the event loop's thread while the launcher is idle,
 pinned to its cores with the loop's own mask taken back; behind the launcher, in order,
 while it has work."""
@@ -26,7 +27,7 @@ CORE = max(os.sched_getaffinity(0))  # one core of the machine's (the last: not 
 
 @pytest.fixture
 async def backend(tmp_path: Path) -> AsyncIterator[ProcessBackend]:
-    async with process_backend(tmp_path, "n-spawn") as b:
+    async with process_backend(tmp_path, "n-spawn", spawner=False) as b:
         yield b
 
 

@@ -53,6 +53,7 @@ import psutil
 from services.cpu_manager.action_env import action_environ
 from services.cpu_manager.backend_api import ExecOutcome, ExecRequest, failed_outcome
 from services.cpu_manager.process import users
+from services.cpu_manager.process.spawner import Child, Spawner, SpawnerGone
 from services.cpu_manager.spawn_failure import spawn_failed
 from tangram.agent.starts import Starts
 from tangram.contract import ErrorKind
@@ -76,6 +77,7 @@ class ProcessConfig:
     incarnation: str = ""
     path: str = "/usr/local/bin:/usr/bin:/bin"
     trajectory_uids: bool = True  # as root: each trajectory as a uid of its own (``users``)
+    spawner: bool = True  # actions started through ``tangram-spawner`` (see ``spawner``)
 
 
 class CappedSink:
@@ -150,9 +152,12 @@ class CappedSink:
         return b"".join(self.chunks)
 
 
+Proc = subprocess.Popen[bytes] | Child  # an action's process: forked here, or by the spawner
+
+
 @dataclass
 class _Run:
-    proc: subprocess.Popen[bytes]
+    proc: Proc
     trajectory_id: str
     out_fd: int
     err_fd: int
@@ -195,6 +200,7 @@ class ProcessBackend:
         self.run_as = users.RunAs(False, "not started")
         self._claim: users.SlotClaim | None = None
         self._uids: users.UidPool | None = None  # None: actions run as this agent's user
+        self._spawner: Spawner | None = None  # None: spawned from this process
 
     async def start(self) -> None:
         await asyncio.to_thread(self._clean_leftovers)
@@ -205,6 +211,10 @@ class ProcessBackend:
             self._uids = users.UidPool(self._claim.first_uid)
             await asyncio.to_thread(users.kill_uids, self._claim.first_uid, users.SLOT_SIZE)
         log.info("process backend: %s; NOT isolated further", self.run_as.line())
+        if self.cfg.spawner:
+            self._spawner, why = await Spawner.start()
+            if self._spawner is None:
+                log.warning("actions are spawned by the agent itself (no spawner: %s)", why)
 
     def _clean_leftovers(self) -> None:
         """Kill processes an earlier incarnation of this node left, and wipe its directories.
@@ -228,6 +238,8 @@ class ProcessBackend:
         for aid in (*self._runs, *self._spawning):
             await self.kill(aid, ErrorKind.CANCELLED)
         self._launcher.shutdown(cancel_futures=True)  # never waits (see Launcher)
+        if self._spawner is not None:
+            await self._spawner.close()
         if self._claim is not None:
             self._claim.release()
 
@@ -274,6 +286,7 @@ class ProcessBackend:
         loop = asyncio.get_running_loop()
         started = time.time()
         self._spawning[req.action_id] = req.trajectory_id
+        proc: Proc
         try:
             with self.starts.begin():
                 if fresh or self._launcher.busy:  # in order behind what the thread has
@@ -281,9 +294,11 @@ class ProcessBackend:
                         self._launcher, self._spawn, req, workdir, uid, fresh
                     )
                 else:
-                    proc, out_fd, err_fd = self._spawn_here(req, workdir, uid)
+                    proc, out_fd, err_fd = await self._spawn_here(req, workdir, uid)
         except OSError as exc:
             return _spawn_failure(exc, req.argv, workdir, started)
+        except SpawnerGone as exc:
+            return failed_outcome(ErrorKind.INTERNAL, f"could not start: {exc}", started)
         except _Doomed as exc:
             return failed_outcome(exc.reason, "killed before it started", started)
         finally:
@@ -346,6 +361,16 @@ class ProcessBackend:
         left running (a process that kept changing pid escapes every scan): on this thread,
         before any other action of the trajectory can start as that uid.
         """
+        argv, env = self._prepare(req, workdir, uid, fresh)
+        if not self._launcher_pins(uid, req):
+            os.sched_setaffinity(0, req.cores)
+        return self._popen(req, workdir, argv, env)
+
+    def _prepare(
+        self, req: ExecRequest, workdir: Path, uid: int | None, fresh: bool = False
+    ) -> tuple[Sequence[str], dict[str, str]]:
+        """What to run and its environment, once the action is known to go ahead (and a
+        ``fresh`` trajectory's directory is made: see :meth:`_spawn`)."""
         if req.action_id in self._dropped:  # its uid may be another trajectory's by now
             raise _Doomed(self._doomed.pop(req.action_id, ErrorKind.CANCELLED))
         if fresh:  # even for an action killed meanwhile: the next one finds its directory
@@ -364,8 +389,12 @@ class ProcessBackend:
         argv: Sequence[str] = req.argv
         if uid is not None:
             argv, env = users.as_uid(uid, req.argv, env, self.run_as.launcher, req.cores)
-        if not self._launcher_pins(uid, req):
-            os.sched_setaffinity(0, req.cores)
+        return argv, env
+
+    def _popen(
+        self, req: ExecRequest, workdir: Path, argv: Sequence[str], env: dict[str, str]
+    ) -> tuple[subprocess.Popen[bytes], int, int]:
+        """Fork and exec from this thread (the child has its mask)."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
@@ -394,17 +423,43 @@ class ProcessBackend:
         thread stays where it is."""
         return uid is not None and users.pins(self.run_as.launcher) and bool(req.cores)
 
-    def _spawn_here(
+    async def _spawn_here(
         self, req: ExecRequest, workdir: Path, uid: int | None
-    ) -> tuple[subprocess.Popen[bytes], int, int]:
-        """:meth:`_spawn` on the event loop's thread, which takes its own mask back after
-        where it had to pin itself."""
-        if self._launcher_pins(uid, req):
-            return self._spawn(req, workdir, uid)
+    ) -> tuple[Proc, int, int]:
+        """:meth:`_spawn` from the event loop: through the spawner, which pins the child
+        itself (see ``spawner``), while other actions run (on a node with nothing running the
+        loop's move to an idle core is quick, and the spawner would add a hop); else on the
+        loop's own thread."""
+        argv, env = self._prepare(req, workdir, uid)
+        pins = not self._launcher_pins(uid, req)
+        spawner = self._spawner
+        if spawner is not None and spawner.alive and self._runs:
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            try:
+                started = spawner.spawn(argv, env, workdir, req.cores if pins else (), out_w, err_w)
+            finally:  # sent with the request (the spawner holds its own copies), or not at all
+                os.close(out_w)
+                os.close(err_w)
+            if started is not None:
+                try:
+                    proc = await started
+                except BaseException:
+                    os.close(out_r)
+                    os.close(err_r)
+                    raise
+                if req.action_id in self._doomed:  # killed meanwhile
+                    _killpg(proc.pid)
+                return proc, out_r, err_r
+            os.close(out_r)
+            os.close(err_r)
+        if not pins:
+            return self._popen(req, workdir, argv, env)
         if self._mask is None:
             self._mask = os.sched_getaffinity(0)
         try:
-            return self._spawn(req, workdir, uid)
+            os.sched_setaffinity(0, req.cores)
+            return self._popen(req, workdir, argv, env)
         finally:
             try:
                 os.sched_setaffinity(0, self._mask)
@@ -434,7 +489,7 @@ class ProcessBackend:
         await self._drain(run, out, err)
         return _outcome(run, code, out, err, started, finished, req.timeout_s)
 
-    def _watch_exit(self, proc: subprocess.Popen[bytes], exited: asyncio.Future[int]) -> None:
+    def _watch_exit(self, proc: Proc, exited: asyncio.Future[int]) -> None:
         loop = asyncio.get_running_loop()
         pidfd = os.pidfd_open(proc.pid)
 

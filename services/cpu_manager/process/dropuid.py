@@ -48,7 +48,7 @@ def launcher(bin_dir: Path = BIN_DIR) -> tuple[Path | None, str]:
     if unsafe:
         return None, unsafe
     if not trusted(target):
-        why = _build(target)
+        why = build(SOURCE, target)
         if why:
             return None, why
     why = _self_test(target)
@@ -95,15 +95,15 @@ def root_only(p: Path, st: os.stat_result) -> str:
     return ""
 
 
-def _build(target: Path) -> str:
-    """Compile the source statically into ``target``; "" once built, else why not. Written
-    aside (a name no other agent picks) and renamed: agents building at once each publish a
-    whole file."""
+def build(source: Path, target: Path, static: bool = True) -> str:
+    """Compile ``source`` (statically unless told not to) into ``target``; "" once built, else
+    why not. Written aside (a name no other agent picks) and renamed: agents building at once
+    each publish a whole file."""
     cc = shutil.which("cc", path=SYSTEM_PATH) or shutil.which("gcc", path=SYSTEM_PATH)
     if cc is None:
         return f"no C compiler (cc) in {SYSTEM_PATH} to build it"
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    argv = [cc, "-O2", "-static", "-o", str(tmp), str(SOURCE)]
+    argv = [cc, "-O2", *(["-static"] if static else []), "-o", str(tmp), str(source)]
     try:
         try:
             done = subprocess.run(
@@ -113,7 +113,7 @@ def _build(target: Path) -> str:
             return f"{cc} failed: {exc}"
         if done.returncode != 0:
             said = " ".join(done.stderr.decode(errors="replace").strip().splitlines()[-1:])
-            return f"{cc} could not build it statically: {said}"
+            return f"{cc} could not build it{' statically' if static else ''}: {said}"
         os.chmod(tmp, 0o755)
         os.replace(tmp, target)
     except OSError as exc:
