@@ -48,6 +48,22 @@ def request(aid: str, marker: Path) -> ExecRequest:
     return ExecRequest(aid, "t", argv, cores, timeout_s=5.0, output_cap_bytes=1024)
 
 
+async def test_the_canary_runs_through_the_spawner_too_and_waits_for_it(
+    backend: ProcessBackend,
+) -> None:
+    spawner = backend._spawner
+    assert spawner is not None
+    await asyncio.wait_for(backend.canary(), 5)
+    os.kill(spawner.pid, signal.SIGSTOP)  # wedged
+    try:
+        canary = asyncio.ensure_future(backend.canary())
+        done, _ = await asyncio.wait([canary], timeout=0.3)
+        assert not done  # wedged: no answer
+    finally:
+        os.kill(spawner.pid, signal.SIGCONT)
+    await asyncio.wait_for(canary, 5)
+
+
 async def test_the_canary_runs_through_the_launcher_and_waits_for_it(
     backend: ProcessBackend,
 ) -> None:

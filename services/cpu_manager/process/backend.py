@@ -54,6 +54,7 @@ from services.cpu_manager.action_env import action_environ
 from services.cpu_manager.backend_api import ExecOutcome, ExecRequest, failed_outcome
 from services.cpu_manager.process import users
 from services.cpu_manager.process.spawner import Child, Spawner, SpawnerGone
+from services.cpu_manager.process.spawner import exited as exited_code
 from services.cpu_manager.spawn_failure import spawn_failed
 from tangram.agent.starts import Starts
 from tangram.contract import ErrorKind
@@ -327,7 +328,10 @@ class ProcessBackend:
         pinned itself for), beside what runs. A
         node whose cores are all held by long actions that progress is never suspect (its
         counters move within the bound), so a canary that waited for a free core would only
-        wrongly fail a busy node; as the agent's own user, in the env root (no trajectory's)."""
+        wrongly fail a busy node; as the agent's own user, in the env root (no trajectory's).
+
+        Then, while the agent has a spawner, a second ``true`` through it (unpinned): a wedged
+        spawner holds every action handed to it under load, and answers no canary either."""
         loop = asyncio.get_running_loop()
         proc = await loop.run_in_executor(self._launcher, self._spawn_canary)
         exited: asyncio.Future[int] = loop.create_future()
@@ -335,6 +339,25 @@ class ProcessBackend:
         code = await exited
         if code != 0:
             raise RuntimeError(f"the canary (true) exited {code}")
+        spawner = self._spawner
+        if spawner is not None and spawner.alive:
+            await self._spawner_canary(spawner)
+
+    async def _spawner_canary(self, spawner: Spawner) -> None:
+        env = {"PATH": self.cfg.path, AGENT_TAG: self.cfg.incarnation, ROOT_TAG: str(self.cfg.root)}
+        null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            started = spawner.spawn(("true",), env, self.cfg.root, (), null, null)
+        finally:
+            os.close(null)
+        if started is None:  # its socket is full, or it died meanwhile: nothing held there
+            return
+        try:
+            code = await exited_code(await started)
+        except SpawnerGone:
+            return  # gone: the agent spawns by itself from now on
+        if code != 0:
+            raise RuntimeError(f"the spawner's canary (true) exited {code}")
 
     def _spawn_canary(self) -> subprocess.Popen[bytes]:
         env = {"PATH": self.cfg.path, AGENT_TAG: self.cfg.incarnation, ROOT_TAG: str(self.cfg.root)}
@@ -427,17 +450,18 @@ class ProcessBackend:
         self, req: ExecRequest, workdir: Path, uid: int | None
     ) -> tuple[Proc, int, int]:
         """:meth:`_spawn` from the event loop: through the spawner, which pins the child
-        itself (see ``spawner``), while other actions run (on a node with nothing running the
-        loop's move to an idle core is quick, and the spawner would add a hop); else on the
-        loop's own thread."""
+        itself (see ``spawner``), where this thread would have to move to the action's cores
+        while other actions run; else on the loop's own thread. The spawner costs a hop: on a
+        node with nothing running the move to an idle core is quick, and a launcher that pins
+        (``tangram-dropuid -c``) needs no move at all."""
         argv, env = self._prepare(req, workdir, uid)
         pins = not self._launcher_pins(uid, req)
         spawner = self._spawner
-        if spawner is not None and spawner.alive and self._runs:
+        if pins and self._runs and spawner is not None and spawner.alive:
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
             try:
-                started = spawner.spawn(argv, env, workdir, req.cores if pins else (), out_w, err_w)
+                started = spawner.spawn(argv, env, workdir, req.cores, out_w, err_w)
             finally:  # sent with the request (the spawner holds its own copies), or not at all
                 os.close(out_w)
                 os.close(err_w)
