@@ -273,7 +273,7 @@ async def test_the_backend_spawns_through_it_while_actions_run_each_output_its_o
         assert (await backend.run(busy_backend_run(f"warm-{tid}", tid, ("true",)))).exit_code == 0
     sleeper = asyncio.ensure_future(backend.run(busy_backend_run("s", "ts", ("sleep", "30"))))
     await eventually(lambda: "s" in backend._runs, what="the sleeper running")
-    before = backend._spawner._next
+    before = backend._spawner.sent
     outs = await asyncio.gather(
         *(
             backend.run(busy_backend_run(f"e{i}", tids[i % 20], ("sh", "-c", f"echo {i}")))
@@ -281,7 +281,7 @@ async def test_the_backend_spawns_through_it_while_actions_run_each_output_its_o
         )
     )
     assert [o.stdout for o in outs] == [f"{i}\n".encode() for i in range(200)]
-    assert backend._spawner._next - before >= 100  # most went through the spawner
+    assert backend._spawner.sent - before >= 100  # most went through the spawner
     pinned = await backend.run(
         busy_backend_run("p", "t0", ("grep", "Cpus_allowed_list", "/proc/self/status"))
     )

@@ -39,34 +39,61 @@ def launcher(bin_dir: Path = BIN_DIR) -> tuple[Path | None, str]:
     a thread. Only root may use it (it exists to drop root)."""
     if os.geteuid() != 0:
         return None, "not root"
-    try:
-        source = SOURCE.read_bytes()
-    except OSError as exc:
-        return None, f"its source is missing ({exc})"
-    target = bin_dir / f"tangram-dropuid-{hashlib.sha256(source).hexdigest()[:12]}"
-    unsafe = _make_private_dir(bin_dir)
-    if unsafe:
-        return None, unsafe
-    if not trusted(target):
-        why = build(SOURCE, target)
-        if why:
-            return None, why
+    target, why = installed(SOURCE, "tangram-dropuid", bin_dir)
+    if target is None:
+        return None, why
     why = _self_test(target)
     return (None, why) if why else (target, "")
 
 
-def trusted(path: Path) -> bool:
-    """A regular file (not a link) of root's that only root may change, executable."""
+def installed(
+    source: Path, name: str, directory: Path, static: bool = True
+) -> tuple[Path | None, str]:
+    """``source`` built into ``directory`` as ``NAME-<hash of the source>`` unless a file of
+    this user's that no one else may change is there already; None and why not when it cannot
+    be. As root ``directory`` and every ancestor must be root's alone (see
+    :func:`_make_private_dir`), else ``directory`` must be this user's alone. Blocking."""
+    try:
+        text = source.read_bytes()
+    except OSError as exc:
+        return None, f"its source is missing ({exc})"
+    target = directory / f"{name}-{hashlib.sha256(text).hexdigest()[:12]}"
+    unsafe = _make_private_dir(directory) if os.geteuid() == 0 else _user_dir(directory)
+    if unsafe:
+        return None, unsafe
+    if not trusted(target, os.geteuid()):
+        why = build(source, target, static)
+        if why:
+            return None, why
+    return target, ""
+
+
+def trusted(path: Path, owner: int = 0) -> bool:
+    """A regular file (not a link) of ``owner``'s that only it may change, executable."""
     try:
         st = path.lstat()
     except OSError:
         return False
     return (
         stat.S_ISREG(st.st_mode)
-        and st.st_uid == 0
+        and st.st_uid == owner
         and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
         and bool(st.st_mode & stat.S_IXUSR)
     )
+
+
+def _user_dir(path: Path) -> str:
+    """ "" when ``path`` is a directory only this user may change (made if missing)."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.lstat()
+    except OSError as exc:
+        return f"cannot create {path}: {exc}"
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        return f"{path} is not a directory of this user's"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} may be changed by other users"
+    return ""
 
 
 def _make_private_dir(path: Path) -> str:

@@ -24,12 +24,10 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import signal
 import socket
-import stat
 import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -83,50 +81,7 @@ def bin_dir() -> Path:
 
 def binary(directory: Path | None = None) -> tuple[Path | None, str]:
     """The built spawner (built now if missing), or None and why not. Blocking."""
-    directory = directory or bin_dir()
-    try:
-        source = SOURCE.read_bytes()
-    except OSError as exc:
-        return None, f"its source is missing ({exc})"
-    target = directory / f"tangram-spawner-{hashlib.sha256(source).hexdigest()[:12]}"
-    unsafe = _own_dir(directory)
-    if unsafe:
-        return None, unsafe
-    if not _own_file(target):
-        why = dropuid.build(SOURCE, target, static=False)
-        if why:
-            return None, why
-    return target, ""
-
-
-def _own_dir(path: Path) -> str:
-    """ "" when ``path`` is a directory only this user (and root) may change, made if missing."""
-    if os.geteuid() == 0:
-        return dropuid._make_private_dir(path)
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = path.lstat()
-    except OSError as exc:
-        return f"cannot create {path}: {exc}"
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        return f"{path} is not a directory of this user's"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"{path} may be changed by other users"
-    return ""
-
-
-def _own_file(path: Path) -> bool:
-    """A regular file (not a link) of this user's that no one else may change, executable."""
-    try:
-        st = path.lstat()
-    except OSError:
-        return False
-    return (
-        stat.S_ISREG(st.st_mode)
-        and st.st_uid == os.geteuid()
-        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-        and bool(st.st_mode & stat.S_IXUSR)
-    )
+    return dropuid.installed(SOURCE, "tangram-spawner", directory or bin_dir(), static=False)
 
 
 def request(
@@ -167,6 +122,7 @@ class Spawner:
         self._proc = proc
         self._sock = sock
         self._next = 0
+        self.sent = 0  # requests handed to it
         self._waiting: dict[int, tuple[asyncio.Future[Child], Sequence[str], Path]] = {}
         self.alive = True
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -258,6 +214,7 @@ class Spawner:
         except OSError as exc:
             self._gone(f"its socket failed: {exc}")
             return None
+        self.sent += 1
         fut: asyncio.Future[Child] = self._loop.create_future()
         self._waiting[rid] = (fut, argv, cwd)
         return fut
