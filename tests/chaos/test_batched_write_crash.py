@@ -47,9 +47,17 @@ async def own_mesh(tmp_path: Path) -> AsyncIterator[Mesh]:
         conn = await asyncpg.connect(m.postgres_dsn)
         try:  # statements are logged with their parameters: which batch waits is readable
             await conn.execute("ALTER SYSTEM SET log_statement = 'mod'")
+            db = await conn.fetchval("SELECT current_database()")
+            # also for the database, which a session takes as it starts: CI twice found a
+            # write waiting on the test's locks whose backend had logged nothing at all
+            await conn.execute(f"ALTER DATABASE \"{db}\" SET log_statement = 'mod'")
             await conn.execute("SELECT pg_reload_conf()")
         finally:
             await conn.close()
+        # every session of the scheduler, whose writes the tests read, begun since
+        await m.kill("scheduler")
+        await m.start_service("scheduler")
+        await m.wait_ready()
         yield m
 
 

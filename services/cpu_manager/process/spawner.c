@@ -203,6 +203,49 @@ static int take_fds(struct msghdr *msg, int *out, int *err) {
     return -1;
 }
 
+/* Start the job's child: its pid (0 if none was made) with *err 0 and *stage '-' once it
+   executes its program, else why not and where. */
+static pid_t start(struct job *j, int devnull, int *err, char *stage) {
+    j->argv = argv_;
+    j->envp = envp_;
+    j->paths = paths_;
+    j->devnull = devnull;
+    int pipefd[2];
+    if (pipe2(pipefd, O_CLOEXEC) != 0) {
+        *err = errno;
+        *stage = 'k';
+        return 0;
+    }
+    j->report = pipefd[1];
+    sigset_t all, old;
+    sigfillset(&all);
+    sigprocmask(SIG_SETMASK, &all, &old);
+    pid_t pid = clone(child, stack + STACK_SIZE, CLONE_VM | CLONE_VFORK | CLONE_PARENT | SIGCHLD, j);
+    int clone_err = errno;
+    sigprocmask(SIG_SETMASK, &old, NULL);
+    close(pipefd[1]);
+    if (pid < 0) {
+        close(pipefd[0]);
+        *err = clone_err;
+        *stage = 'k';
+        return 0;
+    }
+    char why[1 + sizeof(int)];
+    ssize_t got;
+    do
+        got = read(pipefd[0], why, sizeof why);
+    while (got < 0 && errno == EINTR);
+    close(pipefd[0]);
+    if (got == (ssize_t)sizeof why) {
+        memcpy(err, why + 1, sizeof *err);
+        *stage = why[0];
+    } else {
+        *err = 0;
+        *stage = '-';
+    }
+    return pid;
+}
+
 /* Whether the agent's end is closed (a packet of no bytes reads as 0 too). */
 static int hung_up(int sock) {
     struct pollfd p = {sock, POLLIN | POLLRDHUP, 0};
@@ -210,14 +253,17 @@ static int hung_up(int sock) {
 }
 
 static void serve(int sock, int devnull) {
-    static char control[CMSG_SPACE(8 * sizeof(int))];
+    static union { /* aligned as a cmsghdr must be */
+        char buf[CMSG_SPACE(8 * sizeof(int))];
+        struct cmsghdr align;
+    } control;
     for (;;) {
         struct iovec iov = {request, MAX_REQUEST};
         struct msghdr msg = {0};
         msg.msg_iov = &iov;
         msg.msg_iovlen = 1;
-        msg.msg_control = control;
-        msg.msg_controllen = sizeof control;
+        msg.msg_control = control.buf;
+        msg.msg_controllen = sizeof control.buf;
         ssize_t n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
         if (n < 0 && errno == EINTR)
             continue;
@@ -240,66 +286,31 @@ static void serve(int sock, int devnull) {
         long npaths = bad ? -1 : count(field(&at, end));
         bad = bad || npaths < 1 || items(&at, end, npaths, paths_) != 0 || at != end;
         long top = bad || *cpus == '\0' ? -1 : walk(cpus, NULL, 0);
+        pid_t pid = 0;
+        int err = EINVAL;
+        char stage = 'p';
         if (!bad && *cpus != '\0') {
             if (top < 0) {
                 bad = 1;
+            } else if ((j.cpus = CPU_ALLOC(top + 1)) == NULL) {
+                err = ENOMEM;
+                bad = 1;
             } else {
                 j.cpus_size = CPU_ALLOC_SIZE(top + 1);
-                j.cpus = CPU_ALLOC(top + 1);
-                if (j.cpus == NULL) {
-                    reply(sock, id, 0, ENOMEM, 'p');
-                    goto done;
-                }
                 CPU_ZERO_S(j.cpus_size, j.cpus);
                 walk(cpus, j.cpus, j.cpus_size);
             }
         }
-        if (bad) {
-            reply(sock, id, 0, EINVAL, 'p');
-            goto done;
-        }
-        j.argv = argv_;
-        j.envp = envp_;
-        j.paths = paths_;
-        j.devnull = devnull;
-        int pipefd[2];
-        if (pipe2(pipefd, O_CLOEXEC) != 0) {
-            reply(sock, id, 0, errno, 'k');
-            goto done;
-        }
-        j.report = pipefd[1];
-        sigset_t all, old;
-        sigfillset(&all);
-        sigprocmask(SIG_SETMASK, &all, &old);
-        pid_t pid = clone(child, stack + STACK_SIZE, CLONE_VM | CLONE_VFORK | CLONE_PARENT | SIGCHLD, &j);
-        int clone_err = errno;
-        sigprocmask(SIG_SETMASK, &old, NULL);
-        close(pipefd[1]);
-        if (pid < 0) {
-            close(pipefd[0]);
-            reply(sock, id, 0, clone_err, 'k');
-            goto done;
-        }
-        char why[1 + sizeof(int)];
-        ssize_t got;
-        do
-            got = read(pipefd[0], why, sizeof why);
-        while (got < 0 && errno == EINTR);
-        close(pipefd[0]);
-        if (got == (ssize_t)sizeof why) {
-            int err;
-            memcpy(&err, why + 1, sizeof err);
-            reply(sock, id, pid, err, why[0]);
-        } else {
-            reply(sock, id, pid, 0, '-');
-        }
-    done:
+        if (!bad)
+            pid = start(&j, devnull, &err, &stage);
+        /* the request's fds closed before the reply: once answered, nothing of it is held */
         if (fds == 0) {
             close(j.out);
             close(j.err);
         }
         if (j.cpus != NULL)
             CPU_FREE(j.cpus);
+        reply(sock, id, pid, err, stage);
     }
 }
 
