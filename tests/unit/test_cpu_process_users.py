@@ -89,6 +89,7 @@ async def test_the_launcher_pins_the_action_and_no_thread_of_the_agent_moves(
         assert out.exit_code == 0, out.stderr
         assert out.stdout.decode().split() == ["Cpus_allowed_list:", str(core)]
     assert moved == []
+    assert backend._spawner is None  # nothing for one to do: no spawner process at all
 
 
 @as_root

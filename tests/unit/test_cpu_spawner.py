@@ -18,12 +18,14 @@ from pathlib import Path
 import pytest
 
 from services.cpu_manager.backend_api import ExecRequest
+from services.cpu_manager.process import dropuid
 from services.cpu_manager.process.backend import ProcessBackend
 from services.cpu_manager.process.spawner import (
     MAX_REQUEST,
     Child,
     Spawner,
     SpawnerGone,
+    binary,
     exited,
     request,
 )
@@ -179,6 +181,22 @@ async def test_a_missing_directory_and_an_absent_cpu_fail_the_spawn(
     child, r = await spawn(spawner, ["true"], tmp_path, cpus=())  # not pinned: the agent's mask
     assert await output(child, r) == (0, "")
     await eventually(lambda: not zombies(), what="the failed children reaped")
+
+
+def test_it_is_never_built_into_a_directory_others_may_change(tmp_path: Path) -> None:
+    """Root execs it for every action where it is root's: a directory another user could
+    write is refused (and nothing is built there); a file of another owner is not trusted."""
+    open_dir = tmp_path / "open" / "bin"
+    open_dir.mkdir(parents=True)
+    open_dir.chmod(0o777)
+    built, why = binary(open_dir)
+    assert built is None
+    assert "may be changed by" in why, why
+    assert list(open_dir.iterdir()) == []
+    built, why = binary(tmp_path / "own" / "bin")
+    assert built is not None, why
+    assert dropuid.trusted(built, os.geteuid())
+    assert not dropuid.trusted(built, os.geteuid() + 1)
 
 
 def test_requests_popen_would_refuse_or_too_large_are_left_to_the_backend() -> None:

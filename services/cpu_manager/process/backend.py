@@ -212,7 +212,9 @@ class ProcessBackend:
             self._uids = users.UidPool(self._claim.first_uid)
             await asyncio.to_thread(users.kill_uids, self._claim.first_uid, users.SLOT_SIZE)
         log.info("process backend: %s; NOT isolated further", self.run_as.line())
-        if self.cfg.spawner:
+        # Every action of a trajectory's own uid is pinned by its launcher: no spawner needed.
+        pinned = self._uids is not None and users.pins(self.run_as.launcher)
+        if self.cfg.spawner and not pinned:
             self._spawner, why = await Spawner.start()
             if self._spawner is None:
                 log.warning("actions are spawned by the agent itself (no spawner: %s)", why)
