@@ -74,6 +74,10 @@ NOTES = {
     "includes the mesh's background work (sweeps) during the point",
     "nats_msgs_per_action": "nats-server /varz in_msgs delta per action (messages published, "
     "client's included); nats_per_action has out_msgs and bytes",
+    "step_start": "an RL step's start, after the points: `trajectories` new trajectories submit "
+    "their first action at once (new: each makes its environment), then one more action each "
+    "(known); per burst the wall time from the first submission to the last result, its rate, "
+    "and the longest queue wait (timings.queue_s); --step-rounds bursts of each",
 }
 
 
@@ -139,6 +143,41 @@ async def offered(client: Client, rate: int, seconds: float, trajectories: int) 
         },
         "exec_ms_p50": round(1000 * pct([e for _, e in done], 50), 3),
     }
+
+
+async def step_start(client: Client, trajectories: int, rounds: int) -> dict[str, Any]:
+    """An RL step's start: ``trajectories`` new trajectories each submit their first action at
+    once, then (the burst drained) one more action each, now of trajectories the node knows;
+    ``rounds`` times. Per burst: the wall time to the last result and the longest queue wait."""
+    out: dict[str, list[dict[str, float]]] = {"new": [], "known": []}
+    for r in range(rounds):
+        await quiet(10.0)
+        for kind in ("new", "known"):
+            t0 = time.perf_counter()
+            res = await asyncio.gather(
+                *(
+                    client.exec(
+                        ["true"],
+                        trajectory_id=f"step{r}-t{i}",
+                        job_id="bench-step",
+                        memory_mb=16,
+                        wait_s=120,
+                    )
+                    for i in range(trajectories)
+                )
+            )
+            wall = time.perf_counter() - t0
+            assert all(x.ok for x in res), [x.error for x in res if not x.ok][:3]
+            out[kind].append(
+                {
+                    "wall_ms": round(1000 * wall, 1),
+                    "per_s": round(trajectories / wall, 1),
+                    "max_queue_ms": round(
+                        1000 * max(x.timings.queue_s for x in res if x.timings), 1
+                    ),
+                }
+            )
+    return {"trajectories": trajectories, **out}
 
 
 # ---------------------------------------------------------------------- where the cost goes
@@ -300,7 +339,16 @@ async def run_mesh(args: argparse.Namespace, stack: AsyncExitStack, state: Path)
         p, k = await point(probe, client, rate, args, k)
         print(json.dumps(p), flush=True)
         points.append(p)
-    return {"postgres_version": await pg.version(), "idle_per_s": idle_per_s, "points": points}
+    step = (
+        await step_start(client, args.trajectories, args.step_rounds) if args.step_rounds else None
+    )
+    print(json.dumps({"step_start": step}), flush=True)
+    return {
+        "postgres_version": await pg.version(),
+        "idle_per_s": idle_per_s,
+        "points": points,
+        "step_start": step,
+    }
 
 
 async def run_ray(args: argparse.Namespace) -> dict[str, Any]:
@@ -365,6 +413,7 @@ async def main(args: argparse.Namespace) -> dict:
         "trajectories": args.trajectories,
         "idle_per_s": mesh["idle_per_s"],
         "points": mesh["points"],
+        "step_start": mesh["step_start"],
         "ray": ray,
     }
 
@@ -378,6 +427,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--trajectories", type=int, default=256)
     ap.add_argument("--nodes", type=int, default=1, help="cpu_manager node agents")
     ap.add_argument("--no-fsync", dest="fsync", action="store_false")
+    ap.add_argument(
+        "--step-rounds", type=int, default=3, help="bursts of --trajectories new ones (0: none)"
+    )
     ap.add_argument(
         "--ray", action=argparse.BooleanOptionalAction, default=True, help="Ray side by side"
     )

@@ -103,7 +103,9 @@ async def test_dispatch_waits_for_its_started_record(
     cores = (await mesh.status(client.bus)).free_cores
     marker = tmp_path / "blocker-running"
     blocker = spec(f"{uid}-blocker", f"touch {marker}; sleep 0.5", cpus=cores)
-    target = spec(f"{uid}-target", "echo ran")
+    # its own queue timeout keeps it queued (a grant behind the blocker, as pipelining gives
+    # a new trajectory on a node whose actions ran short, would be recorded at once)
+    target = msgspec.structs.replace(spec(f"{uid}-target", "echo ran"), queue_timeout_s=60.0)
     await client.submit(blocker)
     await eventually(lambda: asyncio.to_thread(marker.exists), what="the blocker to run")
     await client.submit(target)  # queued: every core is busy

@@ -8,10 +8,12 @@ import msgspec
 import pytest
 
 from services.scheduler.core.books import EnvPlacement
-from services.scheduler.core.effects import Effect, StartOnNode
+from services.scheduler.core.effects import Effect, EnvChanged, Finish, StartOnNode
 from services.scheduler.core.pipeline import Holder, fixed_cores, plan
 from services.scheduler.core.scheduler import CoreConfig, SchedulerCore
+from services.scheduler.policies.base import Policy
 from services.scheduler.policies.elastic import ElasticPolicy
+from services.scheduler.policies.spec import make_policy
 from tangram.contract import (
     ActionSpec,
     Completion,
@@ -257,3 +259,117 @@ def test_a_bad_pipelining_setting_is_refused_naming_it(monkeypatch: pytest.Monke
     monkeypatch.setenv("TANGRAM_SCHEDULER_PIPELINE_DEPTH_SHORT", "4")
     core = config.load()[1].core
     assert (core.pipeline_depth_short, core.pipeline_short_s) == (4, 0.02)
+
+
+# ------------------------------------------------------------- new trajectories behind
+
+
+def envs_opened(effects: list[Effect]) -> list[tuple[str, str]]:
+    return [(e.trajectory_id, e.node_id) for e in effects if isinstance(e, EnvChanged)]
+
+
+def busy_nodes(
+    nodes: int = 1, policy: Policy | None = None, pipelining: bool = True, run_s: float = 0.002
+) -> SchedulerCore:
+    """Nodes ``n0``... of one core each whose actions ran ``run_s`` lately, running an action
+    of trajectory ``t<n>`` there; one waiting grant per core at most."""
+    cfg = CoreConfig(pipeline=pipelining, pipeline_depth=1, pipeline_depth_short=1)
+    core = SchedulerCore(policy or ElasticPolicy(), cfg)
+    for n in range(nodes):
+        core.node_report(kit.report(node=f"n{n}", cores=1), 0.0)
+        core.nodes[f"n{n}"].run_s = run_s
+        core.enqueue(kit.action(f"run{n}", f"t{n}"), 0.0)
+        assert len(starts(core.schedule(0.0))) == 1
+    return core
+
+
+def ends(core: SchedulerCore, aid: str, now: float) -> None:
+    sent = core.running[aid].sent
+    assert sent is not None
+    core.complete(ran_for(sent, 0.002), now)  # short, as the node's actions ran
+
+
+def test_a_new_trajectory_waits_behind_a_busy_core_not_for_the_pass_after_it_frees():
+    """Its environment opens with the grant: a burst of new trajectories no longer pays a round
+    trip per core (completion, pass, started record, dispatch) that known ones do not."""
+    core = busy_nodes()
+    core.enqueue(kit.action("u0", "u"), 0.1)
+    core.enqueue(kit.action("u1", "u"), 0.1)
+    effects = core.schedule(0.1)
+    assert [(s.action.spec.action_id, s.cores, s.after) for s in starts(effects)] == [
+        ("u0", (0,), ("run0",))
+    ]  # one waiting grant per core: u1 waits in u's pool now
+    assert envs_opened(effects) == [("u", "n0")]
+    assert core.envs["u"].node_id == "n0"
+    assert core.nodes["n0"].reserved_mb == 200  # t0's environment and u's
+    ends(core, "run0", 0.2)
+    assert core.nodes["n0"].free == set()  # the core went to u0
+    (u1,) = starts(core.schedule(0.3))
+    assert (u1.action.spec.action_id, u1.after) == ("u1", ("u0",))
+
+
+def test_a_node_with_a_free_core_is_preferred_and_then_the_one_with_fewest_waiting():
+    core = busy_nodes(nodes=3)
+    ends(core, "run2", 0.1)  # n2 has a free core
+    core.enqueue(kit.action("a", "ta"), 0.1)
+    (a,) = starts(core.schedule(0.1))
+    assert (a.node_id, a.after) == ("n2", ())
+    core.enqueue(kit.action("run0-next", "t0"), 0.2)  # a grant waits on n0 now
+    assert [s.node_id for s in starts(core.schedule(0.2))] == ["n0"]
+    core.enqueue(kit.action("b", "tb"), 0.3)
+    (b,) = starts(core.schedule(0.3))
+    assert (b.node_id, b.after) == ("n1", ("run1",))
+    core.enqueue(kit.action("c", "tc"), 0.4)
+    (c,) = starts(core.schedule(0.4))
+    assert (c.node_id, c.after) == ("n2", ("a",))
+    core.enqueue(kit.action("d", "td"), 0.5)  # every core has its waiting grant
+    assert starts(core.schedule(0.5)) == []
+    assert core.waits["d"] == "waiting for 1 free core(s)"
+    assert "td" not in core.envs
+
+
+@pytest.mark.parametrize(
+    "why",
+    [
+        "no pipelining",
+        "a choice of cores",
+        "its own queue timeout",
+        "long actions on the node",
+        "a per-pool policy",
+        "no memory for it",
+    ],
+)
+def test_a_new_trajectory_is_placed_behind_only_where_pipelining_would_take_it(why: str):
+    policy = make_policy("trajectory-static:1") if why == "a per-pool policy" else None
+    run_s = 0.5 if why == "long actions on the node" else 0.002
+    core = busy_nodes(policy=policy, pipelining=why != "no pipelining", run_s=run_s)
+    cpus: int | list[int] = [1, 2] if why == "a choice of cores" else 1
+    mem = 950 if why == "no memory for it" else 100  # of 1000 MiB, 100 booked by t0
+    act = kit.action("u0", "u", cpus=cpus, mem=mem)
+    if why == "its own queue timeout":
+        act = kit.action("u0", "u", queue_timeout_s=60.0)
+    core.enqueue(act, 0.1)
+    assert starts(core.schedule(0.1)) == []
+    assert "u" not in core.envs
+    assert core.waits["u0"].startswith("waiting for")
+    ends(core, "run0", 0.2)
+    if why not in ("a per-pool policy", "no memory for it"):  # on the free core, as before
+        assert [s.action.spec.action_id for s in starts(core.schedule(0.3))] == ["u0"]
+
+
+def test_an_action_with_its_own_queue_timeout_is_never_pipelined_and_times_out_queued():
+    """A grant waiting on a node is out of the queue, where the timeout is kept: behind a
+    long action it would outlive it. The default bound (no timeout of its own) is no such
+    promise: the action after it is pipelined as before."""
+    core = busy_nodes()
+    core.enqueue(kit.action("k0", "t0", queue_timeout_s=0.3), 0.1)
+    core.enqueue(kit.action("k1", "t0"), 0.1)
+    assert starts(core.schedule(0.1)) == []  # FCFS: k1 does not jump k0
+    ended = core.tick(0.5)
+    assert [
+        (f.result.action_id, f.result.error.kind)
+        for f in ended
+        if isinstance(f, Finish) and f.result.error
+    ] == [("k0", ErrorKind.QUEUE_TIMEOUT)]
+    (k1,) = starts(core.schedule(0.6))
+    assert (k1.action.spec.action_id, k1.after) == ("k1", ("run0",))

@@ -133,6 +133,65 @@ def test_misuse_never_runs_the_program(helper: Path, head: tuple[str, ...]) -> N
     assert said.stderr.startswith((b"tangram-dropuid: ", b"usage: tangram-dropuid"))
 
 
+def test_k_kills_every_process_of_the_uid_and_nothing_else(helper: Path) -> None:
+    """``-k UID GID``: SIGKILL to all of UID's processes at once (kill(-1) as UID), none of
+    another uid's; 0 when there were some and when there were none left."""
+    procs = {(uid, k): as_uid(helper, uid) for uid in (UID, UID + 1) for k in range(2)}
+    try:
+        said = run((str(helper), "-k", str(UID), str(UID)))
+        assert (said.returncode, said.stderr) == (0, b"")
+        for (uid, _), proc in procs.items():
+            if uid == UID:
+                assert proc.wait(timeout=10) == -9
+            else:
+                assert proc.poll() is None  # another uid's: untouched
+        assert run((str(helper), "-k", str(UID), str(UID))).returncode == 0  # none left
+    finally:
+        for proc in procs.values():
+            ended(proc)
+
+
+def as_uid(helper: Path, uid: int) -> subprocess.Popen[bytes]:
+    """A ``sleep`` as ``uid``, returned once it runs as that uid (it has said so)."""
+    proc = subprocess.Popen(
+        (str(helper), str(uid), str(uid), "--", "sh", "-c", "echo up; exec sleep 60"),
+        stdout=subprocess.PIPE,
+        env=SYSTEM,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == b"up\n"  # root is gone before sh runs
+    return proc
+
+
+def ended(proc: subprocess.Popen[bytes]) -> None:
+    proc.kill()
+    proc.wait(timeout=10)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("-k",),
+        ("-k", "5"),
+        ("-k", "5", "5", "--"),
+        ("-k", "0", "5"),
+        ("-k", "5", "x"),
+        ("-k", "", "5"),
+    ],
+)
+def test_k_misused_kills_nothing(helper: Path, args: tuple[str, ...]) -> None:
+    victim = as_uid(helper, 5 if args[1:2] == ("5",) else UID)
+    try:
+        said = run((str(helper), *args))
+        assert said.returncode == 125, said
+        assert said.stderr.startswith((b"tangram-dropuid: ", b"usage: tangram-dropuid"))
+        assert victim.poll() is None
+    finally:
+        ended(victim)
+
+
 @pytest.mark.skipif(users.SETPRIV is None, reason="setpriv runs it without root")
 def test_a_launcher_that_cannot_drop_root_never_runs_the_program(helper: Path) -> None:
     assert users.SETPRIV is not None

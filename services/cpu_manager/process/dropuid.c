@@ -1,4 +1,5 @@
 /* tangram-dropuid [-c CPUS] UID GID [NAME=VALUE...] -- PROGRAM [ARG...]
+   tangram-dropuid -k UID GID
 
    Runs PROGRAM (looked up in PATH) as UID:GID with no supplementary groups and no_new_privs:
    what `setpriv --reuid=UID --regid=GID --clear-groups --no-new-privs --` does, without
@@ -20,6 +21,13 @@
    (which would run a file without a #! line through /bin/sh): a file that cannot be executed
    is 126 whichever way the backend starts it.
 
+   With -k it runs no program: as UID:GID it sends SIGKILL to every process of UID
+   (kill(2) with pid -1 reaches all the caller may signal, itself excepted, at once: a process
+   that keeps forking cannot escape it as it escapes a scan of the process table). The
+   backend rids a trajectory's uid of its leftovers so when the trajectory ends and before the
+   uid goes to another: one exec of this, where `sh -c 'kill -KILL -1'` through it cost two.
+   Exit 0 when none was left or all were signalled.
+
    UID and GID are decimal, 1 to 4294967294 (0 is root, 4294967295 means "unchanged" to
    setresuid). Exit 125 when it is misused or cannot pin or drop privileges (the program never
    runs), 127 when PROGRAM is not found, 126 when it cannot be executed, said as a shell says
@@ -28,6 +36,7 @@
 #include <errno.h>
 #include <grp.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,7 +49,8 @@
 
 static void usage(void) {
     fprintf(stderr,
-            "usage: tangram-dropuid [-c CPUS] UID GID [NAME=VALUE...] -- PROGRAM [ARG...]\n");
+            "usage: tangram-dropuid [-c CPUS] UID GID [NAME=VALUE...] -- PROGRAM [ARG...]\n"
+            "       tangram-dropuid -k UID GID\n");
     exit(FAILED);
 }
 
@@ -166,7 +176,33 @@ __attribute__((noreturn)) static void run(char **args) {
     exit(missing ? 127 : 126);
 }
 
+/* Give up root for good: no groups, then the gid, then the uid (after setresuid nothing else
+   may change), then no_new_privs. Exits FAILED when any step fails. */
+static void become(uid_t uid, gid_t gid) {
+    if (setgroups(0, NULL) != 0 || setresgid(gid, gid, gid) != 0 ||
+        setresuid(uid, uid, uid) != 0) {
+        fprintf(stderr, "tangram-dropuid: cannot become %lu:%lu: %s\n", (unsigned long)uid,
+                (unsigned long)gid, strerror(errno));
+        exit(FAILED);
+    }
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) {
+        fprintf(stderr, "tangram-dropuid: no_new_privs: %s\n", strerror(errno));
+        exit(FAILED);
+    }
+}
+
 int main(int argc, char **argv) {
+    if (argc >= 2 && strcmp(argv[1], "-k") == 0) {
+        if (argc != 4)
+            usage();
+        become((uid_t)id_arg(argv[2]), (gid_t)id_arg(argv[3]));
+        if (kill(-1, SIGKILL) != 0 && errno != ESRCH) {
+            fprintf(stderr, "tangram-dropuid: cannot kill the uid's processes: %s\n",
+                    strerror(errno));
+            return FAILED;
+        }
+        return 0;
+    }
     if (argc >= 3 && strcmp(argv[1], "-c") == 0) {
         pin(argv[2]); /* as root still: the program never runs unpinned */
         argv[2] = argv[0];
@@ -186,17 +222,7 @@ int main(int argc, char **argv) {
     }
     if (dash >= argc - 1)
         usage();
-    /* groups first, then the gid, then the uid: after setresuid nothing else may change */
-    if (setgroups(0, NULL) != 0 || setresgid(gid, gid, gid) != 0 ||
-        setresuid(uid, uid, uid) != 0) {
-        fprintf(stderr, "tangram-dropuid: cannot become %lu:%lu: %s\n", (unsigned long)uid,
-                (unsigned long)gid, strerror(errno));
-        return FAILED;
-    }
-    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) {
-        fprintf(stderr, "tangram-dropuid: no_new_privs: %s\n", strerror(errno));
-        return FAILED;
-    }
+    become(uid, gid);
     for (int i = 3; i < dash; i++)
         if (putenv(argv[i]) != 0) {
             fprintf(stderr, "tangram-dropuid: cannot set %s: %s\n", argv[i], strerror(errno));

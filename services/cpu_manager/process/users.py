@@ -230,9 +230,14 @@ def _for_root_unsafe(name: str) -> bool:
 def kill_uid(uid: int, launcher: str) -> None:
     """Kill every process of ``uid``, even one that keeps forking to a new pid (a scan of the
     process table misses it, see ``kill_uids``): kill(-1, SIGKILL) run as that uid, which the
-    kernel applies to all its processes at once (a fork under way fails). Blocking: a launcher
-    and a sh, ~1.2 ms of CPU (a psutil scan of 100 processes costs 3.4)."""
-    argv, env = as_uid(uid, ("sh", "-c", KILL_ALL), {"PATH": dropuid.SYSTEM_PATH}, launcher)
+    kernel applies to all its processes at once (a fork under way fails). Blocking: one exec
+    of ``tangram-dropuid -k``; through setpriv, a launcher and a sh (~1.2 ms of CPU; a psutil
+    scan of 100 processes costs 3.4)."""
+    if pins(launcher):  # tangram-dropuid
+        argv: tuple[str, ...] = (launcher, "-k", str(uid), str(uid))
+        env: dict[str, str] = {}
+    else:
+        argv, env = as_uid(uid, ("sh", "-c", KILL_ALL), {"PATH": dropuid.SYSTEM_PATH}, launcher)
     quiet = subprocess.DEVNULL
     subprocess.run(argv, env=env, cwd="/", stdin=quiet, stdout=quiet, stderr=quiet, timeout=30)
 

@@ -13,8 +13,14 @@ without pipelining they would still be queued.
 
 Only actions with one possible core count are pipelined: an action with a choice of cores
 waits for the policy, which sizes it to the cores free when it starts (its elasticity is
-worth more than a round trip). Pools stay FCFS: the first candidate that cannot be pipelined
-stops the node's pipelining for the pass.
+worth more than a round trip). Nor is one that sets its own ``queue_timeout_s``: the timeout is
+kept while an action is queued, and a grant waiting on a node behind a long action would
+outlive it (the default bound, 30 minutes, is no such promise). Pools stay FCFS: the first
+candidate that cannot be pipelined stops the node's pipelining for the pass.
+
+A new trajectory is placed behind a busy core too (``SchedulerCore._place_behind``), on a node
+whose recent actions ran short (``pipeline_short_s``): there a grant waits a few milliseconds,
+where one behind a long action would bind the trajectory to a node that frees late.
 """
 
 from __future__ import annotations
@@ -51,13 +57,19 @@ def fixed_cores(action: UnifiedAction) -> int | None:
     return None
 
 
+def pipelinable(action: UnifiedAction) -> int | None:
+    """The core count a grant on busy cores would give ``action``; None when it is not to be
+    pipelined (a choice of cores, or a queue timeout of its own: see the module's docstring)."""
+    return None if action.spec.queue_timeout_s is not None else fixed_cores(action)
+
+
 def plan(candidates: Sequence[UnifiedAction], holders: Sequence[Holder]) -> list[Grant]:
     """Grants for the head of a full pool, FCFS, on the cores that free first (their actions
     started earliest); ``holders`` are the busy cores with no grant waiting on them yet."""
     order = sorted(holders, key=lambda h: (h.started_at, h.core))
     grants: list[Grant] = []
     for action in candidates:
-        n = fixed_cores(action)
+        n = pipelinable(action)
         if n is None or n > len(order):
             break
         taken, order = order[:n], order[n:]

@@ -716,20 +716,29 @@ class SchedulerCore:
             effects += self._admit(self.nodes[node_id], waiting, now)
         if self.cfg.pipeline:
             for node_id, waiting in p.waiting.items():
-                effects += self._pipeline(self.nodes[node_id], waiting, now)
+                effects += self._pipeline(self.nodes[node_id], waiting, now, p.placed)
         return effects
 
-    def _pipeline(self, node: Node, offered: list[UnifiedAction], now: float) -> list[Effect]:
+    def _pipeline(
+        self,
+        node: Node,
+        offered: list[UnifiedAction],
+        now: float,
+        placed: Mapping[str, str],
+    ) -> list[Effect]:
         """Grant a full CPU node's next actions on its busy cores (see pipeline): FCFS from
-        the head of what its pool offered and did not start, trajectories already there."""
+        the head of what its pool offered and did not start, trajectories already there or
+        new ones this pass ``placed`` there (their environment opens with the grant)."""
         if node.gpu is not None or node.draining or node.free:
             return []  # free cores are the policy's to give
         head: list[UnifiedAction] = []
         for act in offered:
             if act.spec.action_id not in self.queue:
                 continue  # started by the policy
-            env = self.envs.get(act.spec.trajectory_id)
-            if env is None or env.node_id != node.node_id:
+            tid = act.spec.trajectory_id
+            env = self.envs.get(tid)
+            there = placed.get(tid) if env is None else env.node_id
+            if there != node.node_id:
                 break
             head.append(act)
         effects: list[Effect] = []
@@ -741,6 +750,7 @@ class SchedulerCore:
             for grant in grants:
                 for core in grant.cores:
                     node.next.setdefault(core, []).append(grant.action.spec.action_id)
+                effects += self._open_env(node, grant.action)
                 effects += self._book(node, grant.action, grant.cores, now, grant.after)
         return effects
 
@@ -912,12 +922,45 @@ class SchedulerCore:
             key = (load, -free_cores, node.node_id)
             if best is None or key < best:
                 best = key
-        if best is None:
+        node_id = best[2] if best is not None else self._place_behind(act, p)
+        if node_id is None:
             return None
-        node_id = best[2]
         p.placed[act.spec.trajectory_id] = node_id
         p.placed_mb[node_id] = p.placed_mb.get(node_id, 0) + act.env_memory_mb
         return node_id
+
+    def _place_behind(self, act: UnifiedAction, p: _Pass) -> str | None:
+        """With every CPU node's cores busy, a new trajectory is placed where pipelining can
+        still take it (the node with the fewest grants waiting per core): its first action
+        waits behind a running one there, as a known trajectory's would, instead of for a core
+        to free and the pass after (a round trip per core, so that a burst of new trajectories
+        started at half the rate of known ones). Only on a node whose recent actions ran short
+        (the trajectory stays where it is placed: behind a long action it would wait where
+        another node frees first); not for an action pipelining would not take (see
+        ``pipeline.pipelinable``), nor under a per-pool policy (which books the trajectories of
+        its pool as it starts them)."""
+        if not self._idle_policy_when_full or pipeline.pipelinable(act) is None:
+            return None
+        best: tuple[float, float, str] | None = None
+        for node in self.nodes.values():
+            if node.gpu is not None or node.free or node.draining:
+                continue  # a node with free cores is the first loop's (or promised this pass)
+            if node.run_s > self.cfg.pipeline_short_s:
+                continue
+            if node.node_id in p.full or node.node_id in p.reserved:
+                continue
+            if self._free_on(node, p) < act.env_memory_mb:
+                continue
+            room = self._pipeline_room(node) - len(p.waiting.get(node.node_id, ()))
+            if room <= 0:
+                continue
+            waiting = sum(len(chain) for chain in node.next.values())
+            waiting += len(p.waiting.get(node.node_id, ()))
+            load = (node.memory_mb - self._free_on(node, p)) / max(1, node.memory_mb)
+            key = (waiting / max(1, node.capacity), load, node.node_id)
+            if best is None or key < best:
+                best = key
+        return best[2] if best is not None else None
 
     def _place_new(self, act: UnifiedAction, p: _Pass) -> tuple[str | None, list[Effect]]:
         """Place a new trajectory's environment, reclaiming idle environments' memory if
@@ -1018,24 +1061,23 @@ class SchedulerCore:
         return view
 
     def _start(self, node: Node, act: UnifiedAction, units: int, now: float) -> list[Effect]:
-        effects: list[Effect] = []
-        tid = act.spec.trajectory_id
-        new_env = tid not in self.envs
-        if new_env:
-            env = EnvPlacement(
-                tid, act.spec.job_id, node.node_id, node.incarnation, act.env_memory_mb
-            )
-            self.envs[tid] = env
-            node.reserved_mb += env.memory_mb
-            effects.append(
-                EnvChanged(tid, env.job_id, node.node_id, node.incarnation, env.memory_mb, "active")
-            )
+        effects = self._open_env(node, act)
         cores = pick_cores(node.free, node.numa, units)
         node.free -= set(cores)
-        if new_env:  # its other queued actions now wait in this pool
-            self.unqueue(act.spec.action_id)
-            self.pending.move(tid, node.node_id)
         return effects + self._book(node, act, cores, now)
+
+    def _open_env(self, node: Node, act: UnifiedAction) -> list[Effect]:
+        """A new trajectory's environment, on ``node`` from its first action's grant: booked,
+        recorded, and its other queued actions now wait in this pool. Nothing for a known one."""
+        tid = act.spec.trajectory_id
+        if tid in self.envs:
+            return []
+        env = EnvPlacement(tid, act.spec.job_id, node.node_id, node.incarnation, act.env_memory_mb)
+        self.envs[tid] = env
+        node.reserved_mb += env.memory_mb
+        self.unqueue(act.spec.action_id)
+        self.pending.move(tid, node.node_id)
+        return [EnvChanged(tid, env.job_id, env.node_id, env.incarnation, env.memory_mb, "active")]
 
     def _book(
         self,
