@@ -10,7 +10,12 @@ rate of completed actions and what did not succeed (an idle environment reclaime
 would show as ``environment_lost``: 512 MiB booked per environment, the default, fills this
 24 GiB machine's books at ~47 trajectories unless idle ones are unbooked).
 
+Then an RL step's start (``step_start``, as ``bench.throughput`` records it): 256 new
+trajectories' first actions at once, each uid rid of leftovers and its directory made, then one
+more action each.
+
     python -m bench.secure_mesh [--actions 3000] [--in-flight 128] [--trajectories 32,128]
+                                [--step-trajectories 256] [--step-rounds 3]
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from bench.throughput import step_start
 from tangram.client import Client
 from tangram.launcher import Mesh, MeshOptions
 
@@ -84,6 +90,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             for n in (int(t) for t in args.trajectories.split(",")):
                 points.append(await point(client, args.actions, args.in_flight, n))
                 print(json.dumps(points[-1]), flush=True)
+            step = None
+            if args.step_rounds:  # an RL step's start, each new trajectory's uid rid first
+                step = await step_start(client, args.step_trajectories, args.step_rounds)
+                print(json.dumps({"step_start": step}), flush=True)
     finally:
         await asyncio.to_thread(shutil.rmtree, base, True)
     return {
@@ -91,6 +101,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "root": os.geteuid() == 0,
         "machine": {"cores": os.cpu_count(), "python": platform.python_version()},
         "points": points,
+        "step_start": step,
     }
 
 
@@ -99,6 +110,10 @@ if __name__ == "__main__":
     ap.add_argument("--actions", type=int, default=3000)
     ap.add_argument("--in-flight", type=int, default=128)
     ap.add_argument("--trajectories", default="32,128")
+    ap.add_argument("--step-trajectories", type=int, default=256)
+    ap.add_argument(
+        "--step-rounds", type=int, default=3, help="bursts of new trajectories (0: none)"
+    )
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
     found = asyncio.run(main(args))

@@ -384,3 +384,54 @@ async def test_an_action_queued_for_the_launcher_when_its_trajectory_is_dropped_
     assert not marker.exists()
     assert not backend.workdir("tq").exists()
     assert (await run(backend, "tq", "true")).exit_code == 0  # a new life of it runs
+
+
+@as_root
+async def test_a_new_trajectorys_uid_is_rid_of_leftovers_beside_the_launcher_thread(
+    backend: ProcessBackend,
+) -> None:
+    """The kill (``tangram-dropuid -k``) is spawned from the loop as the action arrives: a
+    burst of new trajectories no longer waits for one kill after another on the launcher
+    thread. The thread still waits for it before the directory and the spawn."""
+    assert backend._uids is not None
+    backend._uids = users.UidPool(backend._uids.first, size=1)  # the next trajectory's uid
+    uid = str(backend._uids.first)
+    leftover = await asyncio.create_subprocess_exec(
+        backend.run_as.launcher,
+        uid,
+        uid,
+        "--",
+        "sh",
+        "-c",
+        "echo up; exec sleep 60",
+        stdout=subprocess.PIPE,
+    )
+    assert leftover.stdout is not None
+    assert await leftover.stdout.readline() == b"up\n"  # running as the uid
+    wedge = threading.Event()
+    held = asyncio.get_running_loop().run_in_executor(backend._launcher, wedge.wait)
+    try:
+        queued = asyncio.create_task(run(backend, "tr", "id -u"))
+        assert await asyncio.wait_for(leftover.wait(), 15) == -9  # killed, the thread held
+        assert not queued.done()  # behind the held thread
+    finally:
+        wedge.set()
+        await held
+        if leftover.returncode is None:
+            leftover.kill()
+            await leftover.wait()
+    out = await queued
+    assert (out.exit_code, out.stdout.decode().strip()) == (0, uid)
+
+
+@as_root
+async def test_a_uid_that_cannot_be_rid_of_leftovers_is_the_nodes_failure_and_nothing_runs(
+    backend: ProcessBackend, open_state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(users, "kill_argv", lambda uid, launcher: (("/bin/false",), {}))
+    os.chmod(open_state, 0o777)
+    marker = open_state / "ran"
+    out = await run(backend, "tf", f"touch {marker}")
+    assert out.failure is ErrorKind.INTERNAL
+    assert "could not rid uid" in out.detail
+    assert not marker.exists()

@@ -227,17 +227,20 @@ def _for_root_unsafe(name: str) -> bool:
     return name in ROOT_UNSAFE or name.startswith("LD_")
 
 
+def kill_argv(uid: int, launcher: str) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The argv and environment of :func:`kill_uid`'s process."""
+    if pins(launcher):  # tangram-dropuid
+        return (launcher, "-k", str(uid), str(uid)), {}
+    return as_uid(uid, ("sh", "-c", KILL_ALL), {"PATH": dropuid.SYSTEM_PATH}, launcher)
+
+
 def kill_uid(uid: int, launcher: str) -> None:
     """Kill every process of ``uid``, even one that keeps forking to a new pid (a scan of the
     process table misses it, see ``kill_uids``): kill(-1, SIGKILL) run as that uid, which the
     kernel applies to all its processes at once (a fork under way fails). Blocking: one exec
     of ``tangram-dropuid -k``; through setpriv, a launcher and a sh (~1.2 ms of CPU; a psutil
     scan of 100 processes costs 3.4)."""
-    if pins(launcher):  # tangram-dropuid
-        argv: tuple[str, ...] = (launcher, "-k", str(uid), str(uid))
-        env: dict[str, str] = {}
-    else:
-        argv, env = as_uid(uid, ("sh", "-c", KILL_ALL), {"PATH": dropuid.SYSTEM_PATH}, launcher)
+    argv, env = kill_argv(uid, launcher)
     quiet = subprocess.DEVNULL
     subprocess.run(argv, env=env, cwd="/", stdin=quiet, stdout=quiet, stderr=quiet, timeout=30)
 
