@@ -174,17 +174,19 @@ def ended(proc: subprocess.Popen[bytes]) -> None:
     "args",
     [
         ("-k",),
-        ("-k", "5"),
-        ("-k", "5", "5", "--"),
-        ("-k", "0", "5"),
-        ("-k", "5", "x"),
-        ("-k", "", "5"),
+        ("-k", "U"),
+        ("-k", "U", "U", "--"),
+        ("-k", "U", "U", "--", "true"),
+        ("-k", "0", "U"),
+        ("-k", "U", "x"),
+        ("-k", "", "U"),
     ],
 )
 def test_k_misused_kills_nothing(helper: Path, args: tuple[str, ...]) -> None:
-    victim = as_uid(helper, 5 if args[1:2] == ("5",) else UID)
+    """Each misuse names the victim's own uid (U) where it names one."""
+    victim = as_uid(helper, UID)
     try:
-        said = run((str(helper), *args))
+        said = run((str(helper), *(str(UID) if a == "U" else a for a in args)))
         assert said.returncode == 125, said
         assert said.stderr.startswith((b"tangram-dropuid: ", b"usage: tangram-dropuid"))
         assert victim.poll() is None

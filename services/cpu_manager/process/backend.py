@@ -385,25 +385,14 @@ class ProcessBackend:
         returned, which the launcher thread waits for before it makes the directory. Run on
         that thread, one after another, these kills took ~1.2 ms of its time each, the pace of
         a burst of new trajectories; now they run beside it."""
-        done: Future[int] = Future()
+        done: Future[int] = Future()  # read on the launcher thread
         argv, env = users.kill_argv(uid, self.run_as.launcher)
         try:
             pid = os.posix_spawn(argv[0], argv, env, file_actions=QUIET, setsid=True)
         except OSError as exc:
             done.set_exception(exc)
-            return done
-        loop = asyncio.get_running_loop()
-        pidfd = os.pidfd_open(pid)
-        child = Child(pid)
-
-        def on_exit() -> None:
-            code = child.poll()
-            if code is not None:
-                loop.remove_reader(pidfd)
-                os.close(pidfd)
-                done.set_result(code)
-
-        loop.add_reader(pidfd, on_exit)
+        else:
+            self._watch_exit(Child(pid), done)
         return done
 
     def _spawn(
@@ -564,7 +553,7 @@ class ProcessBackend:
         await self._drain(run, out, err)
         return _outcome(run, code, out, err, started, finished, req.timeout_s)
 
-    def _watch_exit(self, proc: Proc, exited: asyncio.Future[int]) -> None:
+    def _watch_exit(self, proc: Proc, exited: asyncio.Future[int] | Future[int]) -> None:
         loop = asyncio.get_running_loop()
         pidfd = os.pidfd_open(proc.pid)
 

@@ -19,8 +19,9 @@ outlive it (the default bound, 30 minutes, is no such promise). Pools stay FCFS:
 candidate that cannot be pipelined stops the node's pipelining for the pass.
 
 A new trajectory is placed behind a busy core too (``SchedulerCore._place_behind``), on a node
-whose recent actions ran short (``pipeline_short_s``): there a grant waits a few milliseconds,
-where one behind a long action would bind the trajectory to a node that frees late.
+whose recent actions ran short (``pipeline_short_s``): there a grant waits behind actions that
+have been ending within that bound, where one behind a long action would bind the trajectory
+to a node that frees late.
 """
 
 from __future__ import annotations

@@ -949,15 +949,14 @@ class SchedulerCore:
                 continue
             if node.node_id in p.full or node.node_id in p.reserved:
                 continue
-            if self._free_on(node, p) < act.env_memory_mb:
-                continue
+            free_mb = self._free_on(node, p)
             room = self._pipeline_room(node) - len(p.waiting.get(node.node_id, ()))
-            if room <= 0:
+            if free_mb < act.env_memory_mb or room <= 0:
                 continue
-            waiting = sum(len(chain) for chain in node.next.values())
-            waiting += len(p.waiting.get(node.node_id, ()))
-            load = (node.memory_mb - self._free_on(node, p)) / max(1, node.memory_mb)
-            key = (waiting / max(1, node.capacity), load, node.node_id)
+            # the most room per core is the fewest grants waiting per core: every node here
+            # runs short actions, so all hold the same depth of grants per core
+            load = (node.memory_mb - free_mb) / max(1, node.memory_mb)
+            key = (-room / max(1, node.capacity), load, node.node_id)
             if best is None or key < best:
                 best = key
         return best[2] if best is not None else None
